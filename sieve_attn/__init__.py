@@ -1,0 +1,10 @@
+"""sieve-attn: sparse attention for pretrained and new transformers (Focus token-pair sparsity)."""
+from .config import FocusConfig
+from .integrations.transformers import compose, load_adapter, reconfigure, save_adapter, set_focus_mode
+from .nn.router import FocusRouter
+from .ops.focus.attention import focus_attention, focus_soft_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["FocusConfig", "FocusRouter", "compose", "focus_attention", "focus_soft_attention", "load_adapter",
+           "reconfigure", "save_adapter", "set_focus_mode"]

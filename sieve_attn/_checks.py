@@ -1,0 +1,77 @@
+"""Argument checks shared by every public entry point.
+
+Each check raises ``ValueError`` whose message names the argument, what was expected and what came, so a user
+can fix the call without reading our source.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """SDPA layout: q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D] with Hq % Hkv == 0, one float dtype, one device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            fail(name, "a torch.Tensor", type(t).__name__)
+        if t.dim() != 4:
+            fail(name, "a 4-d tensor [B, H, T, D]", f"shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            fail(name, "a float16, bfloat16, float32 or float64 tensor", t.dtype)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        fail("k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        fail("k, v", f"the device of q ({q.device})", f"k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        fail("v", f"the shape of k {tuple(k.shape)}", f"shape {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        fail("k", f"batch size {q.shape[0]} (that of q)", k.shape[0])
+    if k.shape[3] != q.shape[3]:
+        fail("k", f"head dim {q.shape[3]} (that of q)", k.shape[3])
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        fail("k", f"a number of KV heads dividing the {q.shape[1]} query heads", k.shape[1])
+    if q.shape[2] > k.shape[2]:
+        fail("q", f"at most as many query tokens as keys ({k.shape[2]})", q.shape[2])
+    if q.shape[2] == 0:
+        fail("q", "at least one query token", 0)
+
+
+def check_no_nan(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if torch.isnan(t).any():
+            fail(name, "no NaN values", "NaN")
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    if not ok:
+        fail(name, f"an int in [{low}, {'inf' if high is None else high}]", repr(value))
+    return value
+
+
+def check_positive_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        fail(name, "a positive number", repr(value))
+    return float(value)
+
+
+def check_choice(name: str, value, choices) -> str:
+    if value not in choices:
+        fail(name, f"one of {sorted(choices)}", repr(value))
+    return value
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """``scale`` defaults to 1/sqrt(D)."""
+    if scale is None:
+        return head_dim ** -0.5
+    return check_positive_float("scale", scale)
+
+
+def check_softcap(softcap) -> float | None:
+    return None if softcap is None else check_positive_float("softcap", softcap)

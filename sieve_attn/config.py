@@ -1,0 +1,59 @@
+"""Configuration of the sparse-attention methods a model can be composed with."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ._checks import check_choice, check_int, check_positive_float, fail
+
+FOCUS_MODES = ("train", "soft", "hard", "dense")
+
+
+@dataclass(frozen=True)
+class FocusConfig:
+    """Focus router and pattern settings (defaults: the paper's Appendix B, and our measured choices).
+
+    num_groups: K centroids per layer. group_dim: d_g, the router's projection width. window: w, local pairs
+    0 <= i - j <= w always attend. top_k: groups each token keeps at inference. tau: temperature of the router
+    logits (applied once). sinkhorn_iters: Sinkhorn iterations in training. gate: soft gate used in training,
+    "log" or "multiplicative" (DESIGN.md, decision 2). gate_lambda: lambda of the multiplicative gate.
+    sink_tokens: the first positions of every sequence join every group (pretrained models park attention there).
+    bias_momentum: running-average momentum of the causal group biases taken from the Sinkhorn potentials.
+    mode: what the composed attention computes: "train" (Sinkhorn + soft gate, sees the whole sequence),
+    "soft" (causal routing + soft gate), "hard" (causal top-k groups, the sparse pattern), "dense" (router off).
+    """
+
+    num_groups: int = 8
+    group_dim: int = 16
+    window: int = 128
+    top_k: int = 2
+    tau: float = 0.1
+    sinkhorn_iters: int = 10
+    gate: str = "log"
+    gate_lambda: float = 10.0
+    sink_tokens: int = 1
+    bias_momentum: float = 0.95
+    mode: str = "hard"
+
+    def __post_init__(self):
+        check_int("num_groups", self.num_groups, 1)
+        check_int("group_dim", self.group_dim, 1)
+        check_int("window", self.window, 0)
+        check_int("top_k", self.top_k, 1, self.num_groups)
+        check_positive_float("tau", self.tau)
+        check_int("sinkhorn_iters", self.sinkhorn_iters, 1)
+        check_choice("gate", self.gate, ("log", "multiplicative"))
+        check_positive_float("gate_lambda", self.gate_lambda)
+        check_int("sink_tokens", self.sink_tokens, 0)
+        if not isinstance(self.bias_momentum, (int, float)) or not 0 <= self.bias_momentum < 1:
+            fail("bias_momentum", "a number in [0, 1)", repr(self.bias_momentum))
+        check_choice("mode", self.mode, FOCUS_MODES)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FocusConfig":
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            fail("FocusConfig", f"fields among {sorted(cls.__dataclass_fields__)}", f"unknown {sorted(unknown)}")
+        return cls(**data)

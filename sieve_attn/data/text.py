@@ -1,0 +1,59 @@
+"""Real text offline: Python's standard-library sources (split by file into training and held-out sets) and any
+text file or folder a user names. Text becomes fixed-length windows of token ids."""
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+
+# Held out from training, by file. argparse.py is the file the dense baselines of DESIGN.md are quoted on.
+HELD_OUT_STDLIB = ("argparse.py", "typing.py", "tarfile.py", "subprocess.py", "pathlib.py", "inspect.py")
+# Prose, out of the training domain; present on Debian systems.
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ""}
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_split() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) among the top-level modules of the standard library; disjoint by file."""
+    files = sorted(p for p in stdlib_dir().glob("*.py") if p.is_file())
+    held = [p for p in files if p.name in HELD_OUT_STDLIB]
+    train = [p for p in files if p.name not in HELD_OUT_STDLIB]
+    return train, held
+
+
+def text_files(path) -> list[Path]:
+    """A file, or every text file under a folder (sorted, recursive)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"text: expected an existing file or folder, got {str(path)!r}")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"text: expected a folder holding text files, got {str(path)!r} with none")
+    return files
+
+
+def token_windows(tokenizer, files, context: int, max_windows: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows [N, context] of the files' tokens, files joined by the EOS token, in order.
+
+    Tokenises only as many files as the windows need. The tail shorter than ``context`` is dropped.
+    """
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    need = None if max_windows is None else max_windows * context
+    for path in files:
+        ids.extend(tokenizer(Path(path).read_text(errors="replace"))["input_ids"])
+        if eos is not None:
+            ids.append(eos)
+        if need is not None and len(ids) >= need:
+            break
+    count = len(ids) // context if need is None else min(len(ids) // context, max_windows)
+    if count == 0:
+        raise ValueError(f"text: expected at least {context} tokens, got {len(ids)}")
+    return torch.tensor(ids[: count * context]).view(count, context)

@@ -1,0 +1,67 @@
+"""Perplexity of a model densely and under Focus, as a table and a JSON record."""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .._checks import fail
+from ..integrations.transformers import focus_layers, is_composed, set_focus_mode
+from .perplexity import perplexity
+
+MODES = ("dense", "soft", "hard")
+
+
+def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int = 1,
+                   progress: bool = True) -> list[dict]:
+    """One PPL row per mode, in order. On a plain model only "dense" applies (the model's own attention); on a
+    composed model each mode is switched to in turn (soft and hard route causally), then the model is left in
+    the mode it had."""
+    rows = []
+    composed = is_composed(model)
+    previous = model.sieve_config.mode if composed else None
+    for mode in modes:
+        if composed:
+            set_focus_mode(model, mode)
+        elif mode != "dense":
+            fail("modes", "only 'dense' for a model not composed with Focus", mode)
+        rows.append({"mode": mode, **perplexity(model, windows, batch_size=batch_size, desc=mode, progress=progress)})
+    if composed:
+        set_focus_mode(model, previous)
+    return rows
+
+
+def router_parameter_count(model) -> int:
+    return sum(p.numel() for layer in focus_layers(model) for p in layer.router.parameters())
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| mode | PPL | tokens | pairs attended |", "|---|---|---|---|"]
+    for row in rows:
+        pairs = "100%" if row["mode"] == "dense" else (
+            "-" if row["pairs_attended"] is None else f"{100 * row['pairs_attended']:.1f}%")
+        lines.append(f"| {row['mode']} | {row['ppl']:.3f} | {row['tokens']} | {pairs} |")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
+            "threads": torch.get_num_threads(), "commit": commit}
+
+
+def write_json(record: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    return path

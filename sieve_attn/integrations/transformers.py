@@ -1,0 +1,204 @@
+"""Composing sparse attention into Hugging Face transformers models, and adapters of what was added.
+
+The composed model runs through transformers' own attention interface: ``compose`` registers the attention
+function ``"sieve_focus"`` (and, for it, transformers' boolean SDPA mask builder), switches the model to it with
+``set_attn_implementation``, attaches a :class:`FocusLayer` to every attention module as a submodule, and feeds it
+the module's input hidden states through a forward pre-hook. No model class is patched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .._checks import fail
+from ..config import FocusConfig
+from ..nn.focus_layer import FocusLayer
+
+ATTENTION_NAME = "sieve_focus"
+LAYER_ATTR = "sieve_focus"
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FORMAT = 1
+
+
+def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            sliding_window=None, softcap=None, **kwargs):
+    """transformers attention-interface function: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> ([B, Tq, Hq, D], None).
+
+    ``attention_mask`` is transformers' boolean SDPA mask (True = attend; it already holds causality, padding and
+    the layer's own sliding window) or None for plain causal attention.
+    """
+    layer = getattr(module, LAYER_ATTR, None)
+    if layer is None:
+        raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} used on a module without Focus; "
+                           "build the model with sieve_attn.compose")
+    if dropout and module.training:
+        fail("dropout", "0 (Focus attention has no attention dropout; call model.eval())", dropout)
+    if not getattr(module, "is_causal", True):
+        fail("module", "a causal (decoder) attention module", type(module).__name__)
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0  # additive float mask: 0 where attended
+    out = layer.attend(query, key, value, attn_mask=attention_mask, scale=scaling, softcap=softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, sieve_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The self-attention modules of a transformers decoder (those carrying a ``layer_idx``), in layer order."""
+    found = [(name, m) for name, m in model.named_modules()
+             if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not found:
+        fail("model", "a transformers decoder whose attention modules use the attention interface",
+             f"no attention module in {type(model).__name__}")
+    return found
+
+
+def focus_layers(model: nn.Module) -> Iterator[FocusLayer]:
+    for _, module in attention_modules(model):
+        layer = getattr(module, LAYER_ATTR, None)
+        if layer is not None:
+            yield layer
+
+
+def is_composed(model: nn.Module) -> bool:
+    return getattr(model, "sieve_config", None) is not None
+
+
+def reconfigure(model: nn.Module, **changes) -> nn.Module:
+    """Changes the Focus settings of every layer of a composed model, e.g. ``mode="soft"`` or ``top_k=3``.
+
+    Settings that shape the router (num_groups, group_dim) cannot change.
+    """
+    layers = list(focus_layers(model))
+    if not layers:
+        fail("model", "a model composed with a FocusConfig", "a model without Focus layers")
+    for layer in layers:
+        layer.reconfigure(**changes)
+    model.sieve_config = layers[0].config
+    return model
+
+
+def set_focus_mode(model: nn.Module, mode: str) -> nn.Module:
+    """Switches every Focus layer of a composed model to ``mode`` ("train", "soft", "hard" or "dense")."""
+    return reconfigure(model, mode=mode)
+
+
+def _observe_hidden_states(module, args, kwargs):
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    # The cache (named `cache` from transformers 5.2x, `past_key_values` before) still holds only earlier tokens:
+    # its length is the absolute position of the first new token, also for sliding-window layers.
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    start = None if cache is None else int(cache.get_seq_length(module.layer_idx))
+    getattr(module, LAYER_ATTR).observe(hidden, start)
+
+
+def compose(model: nn.Module, config: FocusConfig) -> nn.Module:
+    """Adds a Focus router to every attention layer of ``model``, freezes every original weight, and routes attention
+    through the ``"sieve_focus"`` attention function. In place; returns the model.
+
+    Only the routers are trainable afterwards. The model keeps working with ``generate`` and KV caches.
+    """
+    if not isinstance(config, FocusConfig):
+        fail("config", "a sieve_attn.FocusConfig", type(config).__name__)
+    if is_composed(model):
+        fail("model", "a model not yet composed", "a model already composed (load a fresh model)")
+    modules = attention_modules(model)
+    hidden_size = model.config.get_text_config().hidden_size
+    device = next(model.parameters()).device
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for _, module in modules:
+        module.add_module(LAYER_ATTR, FocusLayer(hidden_size, config).to(device))
+        module.register_forward_pre_hook(_observe_hidden_states, with_kwargs=True)
+    _register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    model.sieve_config = config
+    return model
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything compose added (router parameters and buffers), keyed as in ``model.state_dict()``."""
+    return {k: v for k, v in model.state_dict().items() if f".{LAYER_ATTR}." in k}
+
+
+def _model_signature(model: nn.Module) -> dict:
+    text_config = model.config.get_text_config()
+    return {"model_type": text_config.model_type, "hidden_size": text_config.hidden_size,
+            "attention_layers": len(attention_modules(model))}
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Writes through a temporary file in the same folder, then renames: a crash leaves the old file intact."""
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(handle)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_adapter(model: nn.Module, directory) -> Path:
+    """Saves only what compose added: ``adapter.safetensors`` and ``adapter_config.json`` in ``directory``."""
+    if not is_composed(model):
+        fail("model", "a model composed with sieve_attn.compose", "a plain model")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_state(model).items()}
+    config = {"format": ADAPTER_FORMAT, "method": "focus", "focus": model.sieve_config.to_dict(),
+              "base_model": _model_signature(model)}
+    _atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp))
+    _atomic_write(directory / ADAPTER_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
+    return directory
+
+
+def read_adapter_config(directory) -> dict:
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        fail("directory", f"an adapter folder holding {ADAPTER_CONFIG}", str(directory))
+    return json.loads(path.read_text())
+
+
+def load_adapter(model: nn.Module, directory) -> nn.Module:
+    """Loads an adapter saved by :func:`save_adapter`, composing ``model`` first when it is still plain.
+
+    Refuses, with a ValueError, a model of another type, width or depth, or one composed with another config.
+    """
+    saved = read_adapter_config(directory)
+    if saved.get("format") != ADAPTER_FORMAT or saved.get("method") != "focus":
+        fail("adapter", f"format {ADAPTER_FORMAT} of method 'focus'",
+             f"format {saved.get('format')} of method {saved.get('method')!r}")
+    config = FocusConfig.from_dict(saved["focus"])
+    expected, actual = saved["base_model"], _model_signature(model)
+    if expected != actual:
+        fail("model", f"the model the adapter was trained on {expected}", actual)
+    if not is_composed(model):
+        compose(model, config)
+    elif model.sieve_config.to_dict() | {"mode": config.mode} != config.to_dict():
+        fail("model", f"a model composed with the adapter's config {config}", model.sieve_config)
+    tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
+    current = adapter_state(model)
+    if set(tensors) != set(current):
+        fail("adapter", f"tensors {len(current)} named as this model's Focus layers",
+             f"missing {sorted(set(current) - set(tensors))[:3]}, unexpected {sorted(set(tensors) - set(current))[:3]}")
+    for name, tensor in tensors.items():
+        if tensor.shape != current[name].shape:
+            fail(f"adapter tensor {name}", f"shape {tuple(current[name].shape)}", tuple(tensor.shape))
+    model.load_state_dict(tensors, strict=False)
+    set_focus_mode(model, config.mode)
+    return model

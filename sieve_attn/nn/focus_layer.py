@@ -1,0 +1,110 @@
+"""Focus attached to one attention layer: router, routing of cached tokens, and the attention it computes."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import FocusConfig
+from ..ops.blockwise import blockwise_attention
+from ..ops.focus.attention import focus_attention, focus_soft_attention
+from ..ops.focus.reference import count_attended_pairs
+from ..ops.focus.routing import causal_log_assign, hard_groups, with_sinks_soft
+from .router import FocusRouter
+
+
+class FocusLayer(nn.Module):
+    """Routes the tokens of one attention layer and computes its attention in the configured mode.
+
+    Protocol, per forward pass of the host attention module: :meth:`observe` receives the layer's input hidden
+    states [B, Tq, hidden] (the router's input) and the absolute position of the first of them (the number of
+    tokens already in the KV cache), then :meth:`attend` receives q [B, Hq, Tq, D] and k, v [B, Hkv, Tk, D]. When
+    Tk > Tq the first Tk - Tq keys come from a KV cache (a sliding-window cache may hold fewer than all earlier
+    tokens); their routing is remembered from the passes that produced them, and since routing is causal it is
+    what a full recomputation would give.
+    """
+
+    def __init__(self, hidden_size: int, config: FocusConfig):
+        super().__init__()
+        self.config = config
+        self.router = FocusRouter(hidden_size, config)
+        self.count_pairs = False
+        self.pair_counts = [0, 0]  # attended, candidates (hard mode, while count_pairs is on)
+        self._pending: Optional[torch.Tensor] = None
+        self._past: Optional[torch.Tensor] = None
+
+    def extra_repr(self) -> str:
+        return f"mode={self.config.mode!r}, window={self.config.window}, top_k={self.config.top_k}"
+
+    def reconfigure(self, **changes) -> None:
+        """Changes inference settings (mode, top_k, window, sink_tokens, ...); the router's shape is fixed."""
+        fixed = {"num_groups", "group_dim"} & set(changes)
+        if fixed:
+            raise ValueError(f"{sorted(fixed)[0]}: expected the router's own value, got a change (retrain instead)")
+        self.config = replace(self.config, **changes)
+        self.router.config = self.config
+        self._past = None
+
+    def observe(self, hidden_states: torch.Tensor, start: Optional[int] = None) -> None:
+        """Routes the tokens of this pass: hidden_states [B, Tq, hidden] at absolute positions start.. (None: the
+        keys of :meth:`attend` are the whole sequence so far, so start = Tk - Tq)."""
+        self._pending = None if self.config.mode == "dense" else (self.router(hidden_states), start)
+
+    def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None) -> torch.Tensor:
+        """Attention output [B, Hq, Tq, D] for the current mode (queries aligned to the end of the keys)."""
+        cfg = self.config
+        if cfg.mode == "dense":
+            return blockwise_attention(q, k, v, scale=scale or q.shape[-1] ** -0.5, causal=True, softcap=softcap,
+                                       attn_mask=attn_mask)[0]
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("FocusLayer.attend: the router has not seen this pass's hidden states; "
+                               "the host attention module must be composed with sieve_attn.compose")
+        logits, start = pending
+        q_len, k_len = q.shape[2], k.shape[2]
+        start = k_len - q_len if start is None else start
+        if cfg.mode == "train":
+            if k_len != q_len:
+                raise RuntimeError("Focus mode 'train' routes with Sinkhorn over the whole sequence and cannot "
+                                   "extend a KV cache; use mode 'soft' or 'hard' to generate")
+            assign = with_sinks_soft(self.router.sinkhorn(logits), 0, cfg.sink_tokens)
+        elif cfg.mode == "soft":
+            current = with_sinks_soft(causal_log_assign(logits, self.router.group_bias).exp(), start, cfg.sink_tokens)
+            assign = self._routing_of_keys(current, start, k_len)
+        else:
+            current = hard_groups(logits, self.router.group_bias, cfg.top_k, start, cfg.sink_tokens)
+            groups = self._routing_of_keys(current, start, k_len)
+            if self.count_pairs:
+                attended, candidates = count_attended_pairs(groups, cfg.window, q_len=q_len)
+                self.pair_counts[0] += attended
+                self.pair_counts[1] += candidates
+            return focus_attention(q, k, v, groups, window=cfg.window, scale=scale, softcap=softcap,
+                                   attn_mask=attn_mask)
+        return focus_soft_attention(q, k, v, assign, window=cfg.window, gate=cfg.gate, gate_lambda=cfg.gate_lambda,
+                                    scale=scale, softcap=softcap, attn_mask=attn_mask)
+
+    def _routing_of_keys(self, current: torch.Tensor, start: int, k_len: int) -> torch.Tensor:
+        """Routing [B, k_len, ...] of the keys present, given the routing ``current`` of the new tokens at absolute
+        positions start.. . The keys are the last k_len of the sequence: a sliding-window cache keeps only the most
+        recent tokens, so routing is remembered for the whole sequence and sliced by absolute position."""
+        history = current
+        if start:
+            past = self._past
+            if past is None or past.shape[0] != current.shape[0] or past.shape[1] < start:
+                known = 0 if past is None else past.shape[1]
+                raise RuntimeError(f"FocusLayer: the KV cache holds {start} tokens but the router has seen "
+                                   f"{known} (batch {None if past is None else past.shape[0]}, now "
+                                   f"{current.shape[0]}); run the whole prompt through the composed model")
+            past = past[:, :start]
+            if past.shape[2] != current.shape[2]:  # hard groups: sink rows list every group, others top_k
+                width = max(past.shape[2], current.shape[2])
+                past, current = (_pad_slots(t, width) for t in (past, current))
+            history = torch.cat([past, current], dim=1)
+        self._past = history.detach()
+        return history[:, history.shape[1] - k_len:]
+
+
+def _pad_slots(groups: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.cat([groups, groups.new_full((*groups.shape[:2], width - groups.shape[2]), -1)], dim=-1)

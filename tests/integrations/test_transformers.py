@@ -1,0 +1,396 @@
+"""Focus composed into transformers models: every architecture of DESIGN.md on tiny random configs.
+
+The reference for every equivalence is an independent uncomposed copy of the same weights running transformers'
+own eager attention (``tests.models.eager_copy``), never the package's code path.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import sieve_attn as sa
+from sieve_attn.integrations.transformers import attention_modules, focus_layers
+from sieve_attn.nn.focus_layer import FocusLayer
+from sieve_attn.nn.router import FocusRouter
+
+try:
+    from tests.models import ARCHS, SEQ, SLIDING, eager_copy, random_ids, threads, tiny_model
+except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
+    from models import ARCHS, SEQ, SLIDING, eager_copy, random_ids, threads, tiny_model
+
+MODES = ("train", "soft", "hard", "dense")
+SPARSE = dict(num_groups=4, window=4, top_k=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with threads(1):
+        yield
+
+
+def _logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, use_cache=False, **kwargs).logits
+
+
+def _router_param_names(model) -> set[str]:
+    """Names (as in named_parameters) of the parameters that live inside a FocusRouter module."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, FocusRouter):
+            names |= {f"{prefix}.{name}" for name, _ in module.named_parameters()}
+    return names
+
+
+def _pair_fraction(model, ids, **kwargs) -> tuple[int, int]:
+    """(attended, candidate) causal pairs of the hard pattern summed over layers, from the layers' own counters."""
+    layers = list(focus_layers(model))
+    for layer in layers:
+        layer.count_pairs, layer.pair_counts = True, [0, 0]
+    try:
+        _logits(model, ids, **kwargs)
+    finally:
+        for layer in layers:
+            layer.count_pairs = False
+    return sum(layer.pair_counts[0] for layer in layers), sum(layer.pair_counts[1] for layer in layers)
+
+
+def _local_pairs(batch: int, length: int, window: int) -> int:
+    """Causal pairs with 0 <= i - j <= window, counted by hand."""
+    return batch * sum(min(i, window) + 1 for i in range(length))
+
+
+# 1. Every architecture composes; every mode runs forward; training reaches the routers only; generate works.
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compose_modes_backward_generate(arch):
+    model = tiny_model(arch)
+    original = {name for name, _ in model.named_parameters()}
+    ids = random_ids()
+    dense_before = _logits(eager_copy(model), ids)  # eager: transformers 5.17's SDPA path drops Gemma-2's softcap
+    torch.manual_seed(0)
+    assert sa.compose(model, sa.FocusConfig(**SPARSE)) is model
+
+    layers = list(focus_layers(model))
+    assert len(layers) == model.config.get_text_config().num_hidden_layers
+    assert all(isinstance(getattr(m, "sieve_focus"), FocusLayer) for _, m in attention_modules(model))
+    assert model.config._attn_implementation == "sieve_focus"
+
+    outputs = {}
+    for mode in MODES:
+        sa.set_focus_mode(model, mode)
+        assert all(layer.config.mode == mode for layer in layers)
+        assert model.sieve_config.mode == mode
+        outputs[mode] = _logits(model, ids)
+        assert outputs[mode].shape == (2, SEQ, model.config.vocab_size)
+        assert torch.isfinite(outputs[mode]).all(), mode
+    # the mode switch takes effect: the sparse pattern (window 4 < T, top_k 2 < K) is not dense attention
+    assert (outputs["hard"] - outputs["dense"]).abs().max() > 1e-3
+    assert (outputs["dense"] - dense_before).abs().max() < 1e-5
+
+    sa.set_focus_mode(model, "train")
+    loss = model(ids, labels=ids, use_cache=False).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    routers = _router_param_names(model)
+    assert len(routers) == 2 * len(layers)  # W_g and the centroids of each layer
+    assert {name for name, _ in model.named_parameters()} == original | routers
+    for name, param in model.named_parameters():
+        if name in routers:
+            assert param.requires_grad, name
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+        else:
+            assert not param.requires_grad, name
+            assert param.grad is None, name
+
+    for mode in ("hard", "soft", "dense"):
+        sa.set_focus_mode(model, mode)
+        with torch.no_grad():
+            out = model.generate(ids[:, :10], attention_mask=torch.ones_like(ids[:, :10]), max_new_tokens=6,
+                                 do_sample=False)
+        assert out.shape == (2, 16)
+        assert torch.equal(out[:, :10], ids[:, :10])
+        assert int(out.min()) >= 0 and int(out.max()) < model.config.vocab_size
+
+
+def test_train_mode_cannot_extend_a_kv_cache():
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE, mode="train"))
+    with pytest.raises(RuntimeError, match="train"), torch.no_grad():
+        model.generate(random_ids(1, 10), max_new_tokens=3, do_sample=False)
+
+
+# 2. Degenerate patterns give the original model exactly (to float rounding), every architecture.
+
+DEGENERATE = {"top_k=K": dict(num_groups=4, window=4, top_k=4), "window>=T": dict(num_groups=4, window=SEQ, top_k=1),
+              "one group": dict(num_groups=1, window=2, top_k=1)}
+
+
+@pytest.mark.parametrize("pattern", list(DEGENERATE))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_degenerate_pattern_equals_original(arch, pattern):
+    model = tiny_model(arch)
+    reference = eager_copy(model)
+    ids = random_ids()
+    expected = _logits(reference, ids)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(**DEGENERATE[pattern], mode="hard"))
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-5)
+    sa.set_focus_mode(model, "dense")
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sparse_pattern_differs_from_original(arch):
+    """The degenerate test above can fail: a truly sparse pattern moves the logits far beyond its tolerance."""
+    model = tiny_model(arch)
+    expected = _logits(eager_copy(model), random_ids())
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1))
+    assert (_logits(model, random_ids()) - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("arch, change", [("gemma2", dict(attn_logit_softcapping=None)),
+                                          ("gemma2", dict(sliding_window=1000)),
+                                          ("mistral", dict(sliding_window=None))])
+def test_reference_depends_on_softcap_and_sliding_window(arch, change):
+    """The tiny configs are such that losing the softcap or a sliding window changes the logits: so the degenerate
+    equivalence above does check that the composed attention keeps them."""
+    ids = random_ids()
+    base = _logits(tiny_model(arch, attn_implementation="eager"), ids)
+    changed = _logits(tiny_model(arch, attn_implementation="eager", **change), ids)
+    assert (changed - base).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_sliding_window_bounds_sparse_pattern(mode):
+    """Mistral, 2 layers, sliding window 8: position i sees tokens i-14..i only, whatever the groups say (the sink
+    token 0 included). Changing token 0 must leave every position >= 15 unchanged."""
+    model = tiny_model("mistral")
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=2, top_k=1, sink_tokens=1, mode=mode))
+    ids = random_ids(1)
+    other = ids.clone()
+    other[0, 0] = (ids[0, 0] + 1) % 100
+    reach = 2 * (SLIDING - 1)
+    a, b = _logits(model, ids), _logits(model, other)
+    torch.testing.assert_close(a[:, reach + 1:], b[:, reach + 1:], rtol=0, atol=1e-6)
+    assert (a[:, :reach + 1] - b[:, :reach + 1]).abs().max() > 1e-3  # the change does reach nearby positions
+
+
+# 3. Padding.
+
+def _left_padded(long: torch.Tensor, short: torch.Tensor):
+    pad = long.shape[1] - short.shape[1]
+    ids = torch.cat([long, torch.cat([torch.zeros(1, pad, dtype=torch.long), short], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids, mask, position_ids, pad
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padding_matches_unpadded(arch, mode):
+    """With sink_tokens=0 the pattern of a sequence depends on relative positions and its own tokens only, so
+    left padding (masked, with position ids that skip it) gives each real position the logits it has alone."""
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=0, mode=mode))
+    long, short = random_ids(1, SEQ, seed=3), random_ids(1, SEQ - 12, seed=4)
+    ids, mask, position_ids, pad = _left_padded(long, short)
+    batched = _logits(model, ids, attention_mask=mask, position_ids=position_ids)
+    assert torch.isfinite(batched).all()
+    torch.testing.assert_close(batched[1, pad:], _logits(model, short)[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(batched[0], _logits(model, long)[0], rtol=0, atol=1e-5)
+    if mode == "hard":
+        attended, candidates = _pair_fraction(model, short)
+        # truly sparse, and the groups matter: more than the window's pairs in each layer (no sinks here)
+        assert 2 * _local_pairs(1, short.shape[1], 4) < attended < 0.9 * candidates
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padding_degenerate_equals_original(arch):
+    """Default sinks (by key index, so on the padding here): the degenerate pattern still equals the original
+    model on the padded batch at every real position."""
+    model = tiny_model(arch)
+    reference = eager_copy(model)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=4))
+    ids, mask, position_ids, pad = _left_padded(random_ids(1, SEQ, seed=3), random_ids(1, SEQ - 12, seed=4))
+    got = _logits(model, ids, attention_mask=mask, position_ids=position_ids)
+    expected = _logits(reference, ids, attention_mask=mask, position_ids=position_ids)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1, pad:], expected[1, pad:], rtol=0, atol=1e-5)
+
+
+# 4. Causality.
+
+def _future_changed(ids: torch.Tensor, last: int = 5) -> torch.Tensor:
+    other = ids.clone()
+    other[:, -last:] = (ids[:, -last:] + 1 + torch.arange(last)) % 100
+    return other
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_causal_modes_do_not_see_the_future(arch, mode):
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(**SPARSE, mode=mode))
+    ids = random_ids()
+    a, b = _logits(model, ids), _logits(model, _future_changed(ids))
+    torch.testing.assert_close(a[:, :-5], b[:, :-5], rtol=0, atol=1e-6)
+    assert (a[:, -5:] - b[:, -5:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_train_mode_sees_the_future(arch):
+    """Mode "train" normalises with Sinkhorn over the whole sequence: it is not causal (DESIGN.md, decision 1).
+    This also shows that the causality test above detects a leak."""
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(**SPARSE, mode="train"))
+    ids = random_ids()
+    a, b = _logits(model, ids), _logits(model, _future_changed(ids))
+    assert (a[:, :-5] - b[:, :-5]).abs().max() > 1e-4
+
+
+# 5. Decoding with a KV cache equals recomputing the whole sequence.
+
+def _greedy_recompute(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    for _ in range(steps):
+        nxt = _logits(model, ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "mistral"])
+def test_kv_cache_generation_equals_recomputation(arch, mode):
+    """Prompt 20 + 12 new tokens; Focus window 4, top_k 1 of 4 groups; Gemma-2's and Mistral's sliding window (8)
+    is shorter than the sequence, so their sliding-window cache layers drop old keys while decoding."""
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, mode=mode))
+    prompt, new = random_ids(2, 20, seed=7), 12
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    full = _logits(model, out.sequences[:, :-1])
+    sa.set_focus_mode(model, "hard")
+    attended, candidates = _pair_fraction(model, out.sequences[:, :-1])
+    sa.set_focus_mode(model, mode)
+    # the pattern is sparse, and not just the window and the sink token: the groups add pairs, in each of 2 layers
+    length = out.sequences.shape[1] - 1
+    assert 2 * (_local_pairs(2, length, 4) + 2 * length) < attended < 0.9 * candidates
+
+    cached = torch.stack(out.logits, dim=1)  # [B, new, V]: the logits each decoding step produced
+    torch.testing.assert_close(cached[:, -1], full[:, -1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached, full[:, prompt.shape[1] - 1:], rtol=0, atol=1e-5)
+    assert torch.equal(out.sequences, _greedy_recompute(model, prompt, new))
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "mistral"])
+def test_left_padded_generation_equals_unpadded(arch, mode):
+    """Batched greedy generation of a left-padded batch (sink_tokens=0) gives the shorter prompt the tokens and
+    per-step logits it gets alone: padding, position ids and the KV cache together."""
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=0, mode=mode))
+    ids, mask, _, pad = _left_padded(random_ids(1, 20, seed=3), random_ids(1, 14, seed=4))
+    kwargs = dict(max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, **kwargs)
+        alone = model.generate(ids[1:, pad:], attention_mask=mask[1:, pad:], **kwargs)
+    torch.testing.assert_close(torch.stack(batched.logits, 1)[1], torch.stack(alone.logits, 1)[0], rtol=0,
+                               atol=1e-5)
+    assert torch.equal(batched.sequences[1, pad:], alone.sequences[0])
+
+
+# 8. Adapters.
+
+def _composed(arch="llama", seed=0, router_seed=0, **config):
+    model = tiny_model(arch, seed=seed)
+    torch.manual_seed(router_seed)
+    return sa.compose(model, sa.FocusConfig(**({"num_groups": 4, "window": 4, "top_k": 1} | config)))
+
+
+def test_adapter_round_trip(tmp_path):
+    model = _composed()
+    for layer in focus_layers(model):  # the causal biases are part of the adapter too
+        layer.router.group_bias.copy_(torch.randn(4))
+    ids = random_ids()
+    expected = _logits(model, ids)
+    sa.save_adapter(model, tmp_path)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter.safetensors", "adapter_config.json"]
+    saved = load_file(str(tmp_path / "adapter.safetensors"))
+    layer_names = [name for name, _ in attention_modules(model)]
+    assert set(saved) == {f"{name}.sieve_focus.router.{t}" for name in layer_names
+                          for t in ("proj.weight", "centroids", "group_bias")}
+    assert sum(t.numel() for t in saved.values()) == 2 * (64 * 16 + 4 * 16 + 4)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["focus"] == model.sieve_config.to_dict()
+
+    fresh = tiny_model("llama")
+    torch.manual_seed(123)  # routers initialised differently: only the loaded tensors can make the logits agree
+    assert sa.load_adapter(fresh, tmp_path) is fresh
+    assert fresh.sieve_config == model.sieve_config
+    torch.testing.assert_close(_logits(fresh, ids), expected, rtol=0, atol=0)
+    assert not any(p.requires_grad for n, p in fresh.named_parameters() if ".sieve_focus." not in n)
+
+    unloaded = _composed(router_seed=123)
+    assert (_logits(unloaded, ids) - expected).abs().max() > 1e-3  # the routers do matter
+
+    same_config = _composed(router_seed=5, mode="soft")  # composed already, same config in another mode: accepted
+    sa.load_adapter(same_config, tmp_path)
+    assert same_config.sieve_config.mode == "hard"
+    torch.testing.assert_close(_logits(same_config, ids), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("other", [dict(arch="llama", hidden_size=32, intermediate_size=64),
+                                   dict(arch="llama", num_hidden_layers=3),
+                                   dict(arch="qwen3"), dict(arch="mistral")])
+def test_load_adapter_refuses_another_model(tmp_path, other):
+    sa.save_adapter(_composed(), tmp_path)
+    other = dict(other)
+    model = tiny_model(other.pop("arch"), **other)
+    with pytest.raises(ValueError, match="model"):
+        sa.load_adapter(model, tmp_path)
+    assert not hasattr(model, "sieve_config") or model.sieve_config is None
+
+
+@pytest.mark.parametrize("change", [dict(window=8), dict(top_k=2), dict(num_groups=2), dict(sink_tokens=0)])
+def test_load_adapter_refuses_another_focus_config(tmp_path, change):
+    sa.save_adapter(_composed(), tmp_path)
+    with pytest.raises(ValueError, match="model"):
+        sa.load_adapter(_composed(**change), tmp_path)
+
+
+def test_compose_refuses_twice_and_bad_configs():
+    model = _composed()
+    with pytest.raises(ValueError, match="model"):
+        sa.compose(model, sa.FocusConfig())
+    for bad in (None, {"num_groups": 4}, sa.FocusConfig().to_dict(), "focus"):
+        plain = tiny_model("llama")
+        with pytest.raises(ValueError, match="config"):
+            sa.compose(plain, bad)
+        assert all(p.requires_grad for p in plain.parameters())  # a refused compose changes nothing
+        assert plain.config._attn_implementation != "sieve_focus"
+
+
+# 9. Parameter count of the paper's GPT-2 retrofit.
+
+def test_router_parameter_count_gpt2_124m():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config())
+    sa.compose(model, sa.FocusConfig(num_groups=4, group_dim=16))
+    routers = [m for m in model.modules() if isinstance(m, FocusRouter)]
+    assert len(routers) == 12
+    assert sum(p.numel() for r in routers for p in r.parameters()) == 148_224
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 148_224

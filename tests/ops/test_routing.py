@@ -1,0 +1,178 @@
+"""Router readings (Sinkhorn, causal soft and hard groups, sinks) and the pair count of the hard pattern."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sieve_attn import focus_attention
+from sieve_attn.ops.focus.reference import count_attended_pairs
+from sieve_attn.ops.focus.routing import causal_log_assign, hard_groups, sinkhorn, with_sinks_soft
+
+F64 = torch.float64
+
+
+def naive_sinkhorn(logits, iters):
+    """Probability-space Sinkhorn in float64: scale every group's column, then every token's row, `iters` times."""
+    p = torch.exp(logits.to(F64) - logits.to(F64).amax(dim=(1, 2), keepdim=True))
+    for _ in range(iters):
+        p = p / p.sum(dim=1, keepdim=True)
+        p = p / p.sum(dim=2, keepdim=True)
+    return p
+
+
+def pattern_mask(groups, window, causal, q_len):
+    """bool [B, Tq, Tk] of the hard pattern, from DESIGN.md, with plain Python sets (small T only)."""
+    batch, length, _ = groups.shape
+    mask = torch.zeros(batch, q_len, length, dtype=torch.bool)
+    for b in range(batch):
+        sets = [set(int(x) for x in groups[b, t] if int(x) >= 0) for t in range(length)]
+        for row in range(q_len):
+            i = length - q_len + row
+            for j in range(length):
+                if causal and j > i:
+                    continue
+                mask[b, row, j] = 0 <= i - j <= window or bool(sets[i] & sets[j])
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sinkhorn
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("iters", [10, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinkhorn_rows_columns_potentials(iters, dtype):
+    torch.manual_seed(0)
+    batch, length, num_groups = 2, 64, 4
+    logits = (torch.randn(batch, length, num_groups) * 2).to(dtype)
+    log_assign, potentials = sinkhorn(logits, iters)
+    assert log_assign.shape == (batch, length, num_groups) and potentials.shape == (batch, num_groups)
+    assert log_assign.dtype == torch.float32
+    assign = log_assign.exp()
+    torch.testing.assert_close(assign.sum(-1), torch.ones(batch, length), rtol=0, atol=1e-5)
+    torch.testing.assert_close(assign.sum(1), torch.full((batch, num_groups), length / num_groups), rtol=0.02, atol=0)
+    torch.testing.assert_close(log_assign, torch.log_softmax(logits.float() + potentials[:, None], dim=-1),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(assign.double(), naive_sinkhorn(logits, iters), rtol=1e-4, atol=1e-5)
+
+
+def test_sinkhorn_balances_skewed_logits():
+    # Logits that favour group 0 for every token: the softmax is far from balanced, Sinkhorn must balance it.
+    torch.manual_seed(1)
+    logits = torch.randn(1, 48, 3)
+    logits[..., 0] += 2.0
+    plain = torch.softmax(logits, -1).sum(1)
+    assert plain[0, 0] > 30
+    log_assign, _ = sinkhorn(logits, 30)
+    torch.testing.assert_close(log_assign.exp().sum(1), torch.full((1, 3), 16.0), rtol=0.01, atol=0)
+
+
+def test_sinkhorn_gradients_flow():
+    torch.manual_seed(2)
+    logits = (torch.randn(2, 32, 4) * 2).requires_grad_(True)
+    weights = torch.randn(2, 32, 4)
+    log_assign, _ = sinkhorn(logits, 10)
+    (grad,) = torch.autograd.grad((log_assign.exp() * weights).sum(), logits)
+    assert torch.isfinite(grad).all() and grad.abs().max() > 1e-3
+    ref_logits = logits.detach().double().requires_grad_(True)
+    (ref_grad,) = torch.autograd.grad((naive_sinkhorn(ref_logits, 10) * weights.double()).sum(), ref_logits)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-3, atol=1e-4)
+
+
+def test_causal_log_assign():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 10, 5, dtype=torch.bfloat16)
+    bias = torch.randn(5)
+    got = causal_log_assign(logits, bias)
+    shifted = logits.double() + bias.double()
+    expected = shifted - torch.logsumexp(shifted, dim=-1, keepdim=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # A token's membership depends on nothing but itself.
+    logits2 = logits.clone()
+    logits2[:, 5:] = torch.randn(2, 5, 5, dtype=torch.bfloat16)
+    assert torch.equal(causal_log_assign(logits2, bias)[:, :5], got[:, :5])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hard groups and sinks
+# ----------------------------------------------------------------------------------------------------------------
+
+def _expected_top(logits, bias, top_k):
+    return (logits.double() + bias.double()).argsort(dim=-1, descending=True)[..., :top_k].sort(dim=-1).values
+
+
+@pytest.mark.parametrize("first_position,sink_tokens,expected_sinks", [(0, 2, 2), (1, 2, 1), (0, 0, 0), (2, 2, 0),
+                                                                       (5, 2, 0), (0, 50, 10)])
+def test_hard_groups(first_position, sink_tokens, expected_sinks):
+    torch.manual_seed(4)
+    batch, length, num_groups, top_k = 2, 10, 6, 2
+    logits = torch.randn(batch, length, num_groups)
+    bias = torch.randn(num_groups)
+    ids = hard_groups(logits, bias, top_k, first_position, sink_tokens)
+    width = num_groups if expected_sinks else top_k
+    assert ids.shape == (batch, length, width)
+    if expected_sinks:
+        every = torch.arange(num_groups).expand(batch, expected_sinks, num_groups)
+        assert torch.equal(ids[:, :expected_sinks].sort(dim=-1).values, every)
+    rest = ids[:, expected_sinks:]
+    top = _expected_top(logits, bias, top_k)[:, expected_sinks:]
+    assert torch.equal(rest[..., :top_k].sort(dim=-1).values, top)
+    assert torch.all(rest[..., top_k:] == -1)
+    # The result is a valid `groups` argument: focus_attention accepts it.
+    q = torch.randn(batch, 2, length, 8)
+    focus_attention(q, q, q, ids, window=1)
+
+
+def test_hard_groups_top_k_equals_num_groups():
+    torch.manual_seed(5)
+    logits = torch.randn(2, 7, 4)
+    ids = hard_groups(logits, torch.zeros(4), 4, 0, 3)
+    assert ids.shape == (2, 7, 4)
+    assert torch.equal(ids.sort(dim=-1).values, torch.arange(4).expand(2, 7, 4))
+
+
+@pytest.mark.parametrize("first_position,sink_tokens,expected_sinks", [(0, 3, 3), (1, 3, 2), (5, 3, 0), (3, 3, 0),
+                                                                       (0, 0, 0), (0, 99, 10)])
+def test_with_sinks_soft(first_position, sink_tokens, expected_sinks):
+    torch.manual_seed(6)
+    assign = torch.softmax(torch.randn(2, 10, 4), dim=-1)
+    got = with_sinks_soft(assign, first_position, sink_tokens)
+    assert got.shape == assign.shape
+    assert torch.all(got[:, :expected_sinks] == 1)
+    assert torch.equal(got[:, expected_sinks:], assign[:, expected_sinks:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pair counts
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_len", [None, 1, 9])
+@pytest.mark.parametrize("window", [0, 3])
+def test_count_attended_pairs(causal, q_len, window):
+    torch.manual_seed(7)
+    batch, length = 2, 29
+    ids = torch.rand(batch, length, 6).argsort(dim=-1)[..., :2]
+    groups = ids.masked_fill(torch.rand(batch, length, 2) < 0.3, -1)
+    groups[..., 0] = ids[..., 0]  # every token keeps one group
+    tq = length if q_len is None else q_len
+    attended, candidates = count_attended_pairs(groups, window, causal=causal, q_len=q_len)
+    assert attended == int(pattern_mask(groups, window, causal, tq).sum())
+    if causal:
+        assert candidates == int(pattern_mask(groups, 10 ** 6, causal, tq).sum())
+    else:
+        assert candidates == batch * tq * length
+
+
+@pytest.mark.parametrize("q_len", [None, 5])
+def test_count_attended_pairs_full_window(q_len):
+    torch.manual_seed(8)
+    batch, length = 2, 31
+    groups = torch.arange(length).expand(batch, length)[..., None].contiguous()  # nobody shares a group
+    tq = length if q_len is None else q_len
+    causal_pairs = batch * sum(length - tq + r + 1 for r in range(tq))
+    for window in (length - 1, length, length + 7):
+        assert count_attended_pairs(groups, window, q_len=q_len) == (causal_pairs, causal_pairs)
+    attended, candidates = count_attended_pairs(groups, length - 2, q_len=q_len)
+    assert candidates == causal_pairs and attended == causal_pairs - batch  # only pair (T-1, 0) is lost

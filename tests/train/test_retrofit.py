@@ -1,0 +1,176 @@
+"""Router-only retrofit of a tiny Llama: frozen weights, checkpoints, resume, and the adapter it writes."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import sieve_attn as sa
+from sieve_attn.integrations.transformers import attention_modules
+from sieve_attn.nn.router import FocusRouter
+from sieve_attn.train.checkpoint import load_checkpoint, save_checkpoint
+from sieve_attn.train.retrofit import RetrofitSettings, retrofit
+
+try:
+    from tests.models import random_ids, threads, tiny_model
+except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
+    from models import random_ids, threads, tiny_model
+
+CONFIG = sa.FocusConfig(num_groups=4, window=4, top_k=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with threads(1):
+        yield
+
+
+def _composed(router_seed: int = 0):
+    model = tiny_model("llama", seed=0)
+    torch.manual_seed(router_seed)
+    return sa.compose(model, CONFIG)
+
+
+def _windows():
+    return random_ids(8, 32, seed=11)
+
+
+def _router_tensors(model) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of every FocusRouter, keyed as in the model's state_dict, found from the module tree."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, FocusRouter):
+            found |= {f"{prefix}.{name}": t.detach().clone() for name, t in module.state_dict().items()}
+    return found
+
+
+def _leftovers(folder):
+    """Temporary files an atomic write would leave behind (mkstemp names start with a dot)."""
+    return sorted(p.name for p in folder.rglob(".*"))
+
+
+def test_retrofit_trains_only_the_routers(tmp_path):
+    model = _composed()
+    originals = {name: p.detach().clone() for name, p in model.named_parameters() if ".sieve_focus." not in name}
+    routers_before = _router_tensors(model)
+    assert len(routers_before) == 3 * len(attention_modules(model))  # proj.weight, centroids, group_bias per layer
+
+    result = retrofit(model, _windows(), tmp_path,
+                      RetrofitSettings(steps=3, batch_size=2, lr=1e-2, warmup=1, checkpoint_every=10), progress=False)
+
+    assert [step for step, _ in result["history"]] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in result["history"])
+    for name, param in model.named_parameters():
+        if name in originals:
+            assert torch.equal(param, originals[name]), name
+            assert not param.requires_grad, name
+    routers_after = _router_tensors(model)
+    for name, before in routers_before.items():
+        assert not torch.equal(routers_after[name], before), f"{name} did not change"
+    assert model.sieve_config.mode == CONFIG.mode  # the inference mode comes back after training
+    assert not any(m.training for m in model.modules() if isinstance(m, FocusRouter))
+
+    saved = load_file(str(tmp_path / "adapter" / "adapter.safetensors"))
+    assert set(saved) == set(routers_after)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, routers_after[name]), name
+    assert _leftovers(tmp_path) == []
+
+
+def _crash_after(model, calls: int):
+    """A forward pre-hook that raises on the model's call number ``calls + 1``: a crash in the middle of training."""
+    seen = [0]
+
+    def hook(module, args, kwargs):
+        seen[0] += 1
+        if seen[0] > calls:
+            raise KeyboardInterrupt("simulated crash")
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _assert_same_run(a, b, history_a, history_b):
+    assert [s for s, _ in history_a] == [s for s, _ in history_b]
+    assert [loss for _, loss in history_a] == pytest.approx([loss for _, loss in history_b], abs=1e-6, rel=0)
+    ta, tb = _router_tensors(a), _router_tensors(b)
+    assert set(ta) == set(tb)
+    for name in ta:
+        torch.testing.assert_close(ta[name], tb[name], rtol=0, atol=1e-6)
+
+
+SETTINGS = dict(batch_size=2, lr=5e-2, checkpoint_every=2, seed=3)
+
+
+@pytest.mark.parametrize("warmup", [1, 10])
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, warmup):
+    """warmup=1: the cosine schedule is live over the 4 steps; warmup=10: all 4 steps are in warm-up."""
+    settings = dict(SETTINGS, warmup=warmup)
+    whole = _composed()
+    full = retrofit(whole, _windows(), tmp_path / "whole", RetrofitSettings(steps=4, **settings), progress=False)
+    assert len(full["history"]) == 4
+    final = load_checkpoint(tmp_path / "whole" / "checkpoint.pt")
+    assert final["step"] == 4 and final["history"] == full["history"]
+
+    crashed = _composed()
+    handle = _crash_after(crashed, 2)
+    with pytest.raises(KeyboardInterrupt):
+        retrofit(crashed, _windows(), tmp_path / "cut", RetrofitSettings(steps=4, **settings), progress=False)
+    handle.remove()
+    state = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert state["step"] == 2 and len(state["history"]) == 2
+    assert _leftovers(tmp_path / "cut") == []
+
+    resumed = _composed(router_seed=99)  # a fresh process: its own random routers, which the checkpoint replaces
+    out = retrofit(resumed, _windows(), tmp_path / "cut", RetrofitSettings(steps=4, **settings), resume=True,
+                   progress=False)
+    _assert_same_run(resumed, whole, out["history"], full["history"])
+    assert _leftovers(tmp_path) == []
+
+
+def test_resume_a_shorter_run(tmp_path):
+    """The brief's literal scenario: a run of 2 steps, then resume=True with steps=4 (warm-up covers all 4 steps,
+    so the learning rates of the two schedules agree)."""
+    settings = dict(SETTINGS, warmup=10)
+    whole = _composed()
+    full = retrofit(whole, _windows(), tmp_path / "whole", RetrofitSettings(steps=4, **settings), progress=False)
+
+    part = _composed()
+    retrofit(part, _windows(), tmp_path / "part", RetrofitSettings(steps=2, **settings), progress=False)
+    assert load_checkpoint(tmp_path / "part" / "checkpoint.pt")["step"] == 2
+    resumed = _composed(router_seed=99)
+    out = retrofit(resumed, _windows(), tmp_path / "part", RetrofitSettings(steps=4, **settings), resume=True,
+                   progress=False)
+    _assert_same_run(resumed, whole, out["history"], full["history"])
+    assert _leftovers(tmp_path) == []
+
+
+def test_resume_without_checkpoint_starts_fresh(tmp_path):
+    a, b = _composed(), _composed()
+    ha = retrofit(a, _windows(), tmp_path / "a", RetrofitSettings(steps=2, **SETTINGS), progress=False)["history"]
+    hb = retrofit(b, _windows(), tmp_path / "b", RetrofitSettings(steps=2, **SETTINGS), resume=True,
+                  progress=False)["history"]
+    _assert_same_run(a, b, ha, hb)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint({"step": 1, "weights": torch.ones(3)}, path)
+    real_save = torch.save
+
+    def crash_mid_write(obj, f, *args, **kwargs):
+        real_save({"step": "partial"}, f)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash_mid_write)
+    with pytest.raises(OSError):
+        save_checkpoint({"step": 2, "weights": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    state = load_checkpoint(path)
+    assert state["step"] == 1 and torch.equal(state["weights"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert load_checkpoint(tmp_path / "missing.pt") is None
+
+
+def test_retrofit_refuses_a_plain_model(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        retrofit(tiny_model("llama"), _windows(), tmp_path, RetrofitSettings(steps=1), progress=False)
