@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "results.json, results.md and loss.png to --out.")
     _model_args(demo)
     _focus_args(demo, **DEMO_FOCUS)
-    _train_args(demo, steps=30)
+    _train_args(demo, steps=50)
     _eval_args(demo, windows=6)
     demo.add_argument("--out", type=Path, default=DEFAULT_OUT / "demo", help="output folder (runs/demo)")
 

@@ -179,6 +179,17 @@ def test_focus_attention_accuracy(length, dtype, causal, window, hq, hkv, dim, s
     assert_flash_rule(ours, low_precision_torch(q, k, v, mask), ref)
 
 
+@pytest.mark.parametrize("offset", [0, 61, 10_000])
+def test_group_ids_of_any_size(offset):
+    """Ids up to 62 take the bit-set path, larger ones the per-slot comparison: both must give the pattern."""
+    torch.manual_seed(5)
+    q, k, v = make_qkv(2, 4, 2, 63, 63, 64)
+    groups = random_groups(2, 63, 6, 3)
+    groups = torch.where(groups >= 0, groups + offset, groups)
+    ref, _ = oracle_attention(q, k, v, oracle_mask(groups, 3, True))
+    torch.testing.assert_close(focus_attention(q, k, v, groups, window=3), ref, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("slots", [None, 3])
 @pytest.mark.parametrize("tk,tq", [(63, 1), (257, 7), (63, 63)])

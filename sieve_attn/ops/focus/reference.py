@@ -22,8 +22,21 @@ def local_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     return (distance >= 0) & (distance <= window)
 
 
-def shared_group_pairs(groups: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """[B, bq, bk] bool: the two tokens share a group id (slots holding -1 are empty). groups: [B, T, m]."""
+def group_bits(groups: torch.Tensor) -> torch.Tensor | None:
+    """[B, T] int64 bit sets of the groups of each token (bit g set = member of group g), or None when an id is too
+    large for one 64-bit word (ids >= 63). groups: [B, T, m], -1 = empty slot."""
+    if groups.numel() and int(groups.max()) >= 63:
+        return None
+    bits = torch.where(groups >= 0, torch.ones_like(groups) << groups.clamp_min(0), torch.zeros_like(groups))
+    return bits.sum(dim=-1)  # ids of a token are distinct, so the sum is the bitwise or
+
+
+def shared_group_pairs(groups: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                       bits: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, bq, bk] bool: the two tokens share a group id (slots holding -1 are empty). groups: [B, T, m];
+    ``bits``: their :func:`group_bits`, when available, for a single bitwise and per pair."""
+    if bits is not None:
+        return (bits[:, q_pos, None] & bits[:, None, k_pos]) != 0
     keys = groups[:, k_pos]  # [B, bk, m]
     shared = torch.zeros(groups.shape[0], q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=groups.device)
     for slot in range(groups.shape[2]):
@@ -35,8 +48,10 @@ def shared_group_pairs(groups: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.T
 
 def focus_pair_mask(groups: torch.Tensor, window: int) -> PairMask:
     """Pair mask of the hard Focus pattern: within the window, or sharing a group. groups: [B, T, m]."""
+    bits = group_bits(groups)
+
     def pair_mask(q_pos, k_pos):
-        return local_pairs(q_pos, k_pos, window)[None] | shared_group_pairs(groups, q_pos, k_pos)
+        return local_pairs(q_pos, k_pos, window)[None] | shared_group_pairs(groups, q_pos, k_pos, bits)
     return pair_mask
 
 
