@@ -75,3 +75,25 @@ def resolve_scale(scale, head_dim: int) -> float:
 
 def check_softcap(softcap) -> float | None:
     return None if softcap is None else check_positive_float("softcap", softcap)
+
+
+def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
+    if attn_mask is None:
+        return None
+    b, hq, tq, tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    ok = (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
+          and attn_mask.shape[0] in (1, b) and attn_mask.shape[1] in (1, hq) and tuple(attn_mask.shape[2:]) == (tq, tk))
+    if not ok:
+        got = f"{attn_mask.dtype} shape {tuple(attn_mask.shape)}" if isinstance(attn_mask, torch.Tensor) else attn_mask
+        fail("attn_mask", f"a bool tensor [1 or {b}, 1 or {hq}, {tq}, {tk}]", got)
+    return attn_mask
+
+
+def check_out(out, q: torch.Tensor) -> None:
+    if out is None:
+        return
+    ok = (isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+          and out.is_contiguous())
+    if not ok:
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else out
+        fail("out", f"a contiguous {q.dtype} tensor {tuple(q.shape)} on {q.device}", got)

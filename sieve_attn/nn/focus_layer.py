@@ -32,7 +32,7 @@ class FocusLayer(nn.Module):
         self.router = FocusRouter(hidden_size, config)
         self.count_pairs = False
         self.pair_counts = [0, 0]  # attended, candidates (hard mode, while count_pairs is on)
-        self._pending: Optional[torch.Tensor] = None
+        self._pending: Optional[tuple[torch.Tensor, Optional[int]]] = None  # router logits, start position
         self._past: Optional[torch.Tensor] = None
 
     def extra_repr(self) -> str:

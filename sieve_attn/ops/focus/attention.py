@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from ..._checks import check_choice, check_int, check_no_nan, check_positive_float, check_qkv, check_softcap, fail
-from ..._checks import resolve_scale
+from ..._checks import check_attn_mask, check_choice, check_int, check_no_nan, check_out, check_positive_float
+from ..._checks import check_qkv, check_softcap, fail, resolve_scale
 from .reference import focus_attention_reference, focus_soft_attention_reference
 
 BACKENDS = ("auto", "reference")
@@ -43,28 +43,6 @@ def check_groups(groups: torch.Tensor, batch: int, k_len: int, device: torch.dev
     if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()):
         fail("groups", "distinct group ids among a token's slots", "a token listing one group twice")
     return slots.long()
-
-
-def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
-    if attn_mask is None:
-        return None
-    b, hq, tq, tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    ok = (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
-          and attn_mask.shape[0] in (1, b) and attn_mask.shape[1] in (1, hq) and tuple(attn_mask.shape[2:]) == (tq, tk))
-    if not ok:
-        got = f"{attn_mask.dtype} shape {tuple(attn_mask.shape)}" if isinstance(attn_mask, torch.Tensor) else attn_mask
-        fail("attn_mask", f"a bool tensor [1 or {b}, 1 or {hq}, {tq}, {tk}]", got)
-    return attn_mask
-
-
-def check_out(out, q: torch.Tensor) -> None:
-    if out is None:
-        return
-    ok = (isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-          and out.is_contiguous())
-    if not ok:
-        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else out
-        fail("out", f"a contiguous {q.dtype} tensor {tuple(q.shape)} on {q.device}", got)
 
 
 def focus_attention(

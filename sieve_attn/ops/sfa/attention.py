@@ -1,0 +1,60 @@
+"""Public SFA attention op: argument checks, then the backend that computes it.
+
+Only the plain-PyTorch reference backend exists for now; ``backend="auto"`` resolves to it on every device.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..._checks import check_attn_mask, check_choice, check_int, check_no_nan, check_out, check_qkv, resolve_scale
+from .reference import sfa_attention_reference
+
+BACKENDS = ("auto", "reference")
+
+
+def sfa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    topk: int = 16,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    attn_mask: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+):
+    """Sparse Feature Attention: q and k keep only their ``topk`` largest-magnitude coordinates; V stays dense.
+
+    Args:
+        q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D] with Hq % Hkv == 0 (MHA, GQA, MQA), after RoPE. Query i sits at key
+            position Tk - Tq + i, so a decode step passes the new queries with the whole cache.
+        topk: int in [1, D]: coordinates kept per token and head, chosen by largest |x| with ties going to the lower
+            coordinate index (:mod:`sieve_attn.ops.sfa.codes`). Each query head selects its own; each KV head
+            selects once for its whole group of query heads. topk = D is dense attention.
+        causal: only keys at positions <= the query's attend.
+        scale: logit scale, default 1/sqrt(D) with D the full head dimension (not 1/sqrt(topk)).
+        attn_mask: optional bool [1 or B, 1 or Hq, Tq, Tk], True = may attend (padding); ANDed with causality.
+        out: optional contiguous [B, Hq, Tq, D] tensor of q's dtype and device, written in place and returned.
+
+    With q~ and k~ the zero-filled sparse q and k, the logit of pair (i, j) is scale * (q~_i . k~_j), a sum over
+    the coordinates the two supports share: a pair with no shared coordinate scores exactly 0 (not -inf) and
+    takes part in the softmax. Then masking, softmax over the attended keys, and P.V with the dense V, as in
+    softmax(q~ k~^T * scale) v. A query with no attended key (possible only through ``attn_mask``) returns 0 and
+    log-sum-exp -inf. Gradients reach q and k only at their selected coordinates (the paper's straight-through
+    rule), and v everywhere.
+
+    Returns out [B, Hq, Tq, D] (dtype of q), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``.
+    """
+    check_qkv(q, k, v)
+    check_no_nan(q=q, k=k, v=v)
+    topk = check_int("topk", topk, 1, q.shape[-1])
+    check_choice("backend", backend, BACKENDS)
+    attn_mask = check_attn_mask(attn_mask, q, k)
+    check_out(out, q)
+    out, lse = sfa_attention_reference(q, k, v, topk=topk, causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
+                                       attn_mask=attn_mask, out=out)
+    return (out, lse.float()) if return_lse else out

@@ -1,0 +1,86 @@
+"""Sparse codes of SFA: each vector keeps only its ``topk`` coordinates of largest magnitude.
+
+Selection rule, shared by every SFA path: for a vector x [D], coordinate u is kept iff fewer than ``topk``
+coordinates v rank above it, where v ranks above u when |x_v| > |x_u|, or |x_v| == |x_u| and v < u. So among equal
+magnitudes the lower coordinate index wins. ``torch.topk`` leaves ties unspecified (on the CPU it does not pick
+the lowest index), which would make bf16/fp16 codes, where equal magnitudes are common, differ between devices and
+from a future kernel; a stable sort pins the rule. x should hold no NaN (its rank is unspecified).
+
+Two forms: (indices, values) pairs (:func:`sparse_codes`, the compact form of a key cache) and the zero-filled
+dense vector (:func:`sparsify`, what the reference attention multiplies). :func:`densify` turns the first into
+the second.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..._checks import check_int, fail
+
+
+def index_dtype(dim: int) -> torch.dtype:
+    """Smallest integer dtype holding every coordinate index 0 .. dim - 1: uint8 up to dim = 256, int16 up to
+    32768, else int32."""
+    if dim <= 256:
+        return torch.uint8
+    if dim <= 2 ** 15:
+        return torch.int16
+    return torch.int32
+
+
+def _check_x(x) -> int:
+    """x: float tensor [..., D] with D >= 1. Returns D."""
+    if not isinstance(x, torch.Tensor):
+        fail("x", "a torch.Tensor [..., D]", type(x).__name__)
+    if not x.dtype.is_floating_point:
+        fail("x", "a floating-point tensor", x.dtype)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        fail("x", "a tensor [..., D] with D >= 1", f"shape {tuple(x.shape)}")
+    return x.shape[-1]
+
+
+def top_indices(x: torch.Tensor, topk: int) -> torch.Tensor:
+    """int64 [..., topk]: the kept coordinates of x [..., D], by decreasing |x|, ties by increasing index.
+
+    No argument checks (callers have done them). The selection is not differentiable and needs no graph.
+    """
+    order = torch.sort(x.detach().abs(), dim=-1, descending=True, stable=True).indices
+    return order[..., :topk]
+
+
+def sparse_codes(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``topk`` coordinates by |x| of every vector of x [..., D] (rule in the module docstring).
+
+    Returns:
+        indices [..., topk] in :func:`index_dtype` (D) (uint8 for D <= 256): coordinates by decreasing |x|, ties by
+            increasing index. PyTorch's gather, scatter and index_select accept only int32/int64 indices, so
+            convert with ``indices.long()`` before indexing (:func:`densify` does).
+        values [..., topk] in x's dtype: x at those coordinates, signed. Differentiable: the gradient reaches x at
+            the selected coordinates only.
+    """
+    dim = _check_x(x)
+    topk = check_int("topk", topk, 1, dim)
+    indices = top_indices(x, topk)
+    return indices.to(index_dtype(dim)), x.gather(-1, indices)
+
+
+def densify(indices: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Zero-filled dense [..., dim] tensor with ``values`` [..., k] at ``indices`` [..., k] (any integer dtype,
+    distinct per vector) and 0 elsewhere; dtype of values. Differentiable in values."""
+    dim = check_int("dim", dim, 1)
+    if indices.shape != values.shape:
+        fail("indices", f"the shape of values {tuple(values.shape)}", f"shape {tuple(indices.shape)}")
+    dense = values.new_zeros(*values.shape[:-1], dim)
+    return dense.scatter(-1, indices.long(), values)
+
+
+def sparsify(x: torch.Tensor, topk: int) -> torch.Tensor:
+    """x [..., D] with all but its top-``topk`` coordinates by |x| set to 0 (same shape and dtype).
+
+    Gradients follow the paper's straight-through rule (Eq. 6): the selection is a constant, so the gradient of x
+    is the incoming gradient on the selected coordinates and exactly 0 on the others, i.e. autograd of
+    ``x * mask`` with ``mask`` fixed.
+    """
+    dim = _check_x(x)
+    topk = check_int("topk", topk, 1, dim)
+    indices = top_indices(x, topk)
+    return densify(indices, x.gather(-1, indices), dim)
