@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +23,6 @@ class RetrofitSettings:
     warmup: int = 10
     seed: int = 0
     checkpoint_every: int = 25
-    history: list = field(default_factory=list)
 
 
 def _lr_at(step: int, settings: RetrofitSettings) -> float:
@@ -70,7 +69,7 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
 
     def checkpoint(step):
         save_checkpoint({"step": step, "routers": adapter_state(model), "optimizer": optimizer.state_dict(),
-                         "history": history, "settings": settings.__dict__ | {"history": None}},
+                         "history": history, "settings": asdict(settings)},
                         out_dir / CHECKPOINT)
 
     model.eval()
