@@ -38,6 +38,9 @@ def _focus_args(parser: argparse.ArgumentParser, **defaults) -> None:
     group.add_argument("--gate", choices=("log", "multiplicative"), default=d.gate, help=f"training gate ({d.gate})")
     group.add_argument("--sink-tokens", type=int, default=d.sink_tokens,
                        help=f"first positions that join every group ({d.sink_tokens})")
+    group.add_argument("--train-routing", choices=("sinkhorn", "causal"), default=d.train_routing,
+                       help=f"memberships in training: Sinkhorn over the sequence (the paper) or the causal "
+                            f"inference routing ({d.train_routing})")
 
 
 def _train_args(parser: argparse.ArgumentParser, steps: int) -> None:
@@ -119,7 +122,8 @@ def _focus_config(args):
     from .config import FocusConfig
 
     return FocusConfig(num_groups=args.num_groups, group_dim=args.group_dim, window=args.window, top_k=args.top_k,
-                       tau=args.tau, sinkhorn_iters=args.sinkhorn_iters, gate=args.gate, sink_tokens=args.sink_tokens)
+                       tau=args.tau, sinkhorn_iters=args.sinkhorn_iters, gate=args.gate, sink_tokens=args.sink_tokens,
+                       train_routing=args.train_routing)
 
 
 def _train(model, tokenizer, args) -> dict:

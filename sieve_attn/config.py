@@ -18,6 +18,8 @@ class FocusConfig:
     "log" or "multiplicative" (DESIGN.md, decision 2). gate_lambda: lambda of the multiplicative gate.
     sink_tokens: the first positions of every sequence join every group (pretrained models park attention there).
     bias_momentum: running-average momentum of the causal group biases taken from the Sinkhorn potentials.
+    train_routing: memberships the soft gate uses in mode "train": "sinkhorn" (the paper; sees the whole sequence)
+    or "causal" (the inference routing, softmax of logits + group biases; strictly causal).
     mode: what the composed attention computes: "train" (Sinkhorn + soft gate, sees the whole sequence),
     "soft" (causal routing + soft gate), "hard" (causal top-k groups, the sparse pattern), "dense" (router off).
     """
@@ -32,6 +34,7 @@ class FocusConfig:
     gate_lambda: float = 10.0
     sink_tokens: int = 1
     bias_momentum: float = 0.95
+    train_routing: str = "sinkhorn"
     mode: str = "hard"
 
     def __post_init__(self):
@@ -46,6 +49,7 @@ class FocusConfig:
         check_int("sink_tokens", self.sink_tokens, 0)
         if not isinstance(self.bias_momentum, (int, float)) or not 0 <= self.bias_momentum < 1:
             fail("bias_momentum", "a number in [0, 1)", repr(self.bias_momentum))
+        check_choice("train_routing", self.train_routing, ("sinkhorn", "causal"))
         check_choice("mode", self.mode, FOCUS_MODES)
 
     def to_dict(self) -> dict:

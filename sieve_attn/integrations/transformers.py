@@ -122,7 +122,7 @@ def compose(model: nn.Module, config: FocusConfig) -> nn.Module:
     for param in model.parameters():
         param.requires_grad_(False)
     for _, module in modules:
-        module.add_module(LAYER_ATTR, FocusLayer(hidden_size, config).to(device))
+        module.add_module(LAYER_ATTR, FocusLayer(hidden_size, config).to(device).train(model.training))
         module.register_forward_pre_hook(_observe_hidden_states, with_kwargs=True)
     _register()
     model.set_attn_implementation(ATTENTION_NAME)

@@ -66,10 +66,12 @@ class FocusLayer(nn.Module):
         q_len, k_len = q.shape[2], k.shape[2]
         start = k_len - q_len if start is None else start
         if cfg.mode == "train":
-            if k_len != q_len:
+            causal = cfg.train_routing == "causal"
+            if k_len != q_len and not causal:
                 raise RuntimeError("Focus mode 'train' routes with Sinkhorn over the whole sequence and cannot "
                                    "extend a KV cache; use mode 'soft' or 'hard' to generate")
-            assign = with_sinks_soft(self.router.sinkhorn(logits), 0, cfg.sink_tokens)
+            current = with_sinks_soft(self.router.training_assign(logits, causal), start, cfg.sink_tokens)
+            assign = self._routing_of_keys(current, start, k_len)
         elif cfg.mode == "soft":
             current = with_sinks_soft(causal_log_assign(logits, self.router.group_bias).exp(), start, cfg.sink_tokens)
             assign = self._routing_of_keys(current, start, k_len)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..config import FocusConfig
-from ..ops.focus.routing import sinkhorn
+from ..ops.focus.routing import causal_log_assign, sinkhorn
 
 
 class FocusRouter(nn.Module):
@@ -42,11 +42,20 @@ class FocusRouter(nn.Module):
         projected = projected * projected.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
         return projected @ self.centroids.t() / self.config.tau
 
-    def sinkhorn(self, logits: torch.Tensor) -> torch.Tensor:
-        """Training-time memberships [B, T, K] (rows sum to 1); in training mode also updates ``group_bias``."""
+    def training_assign(self, logits: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Training-time memberships [B, T, K] (rows sum to 1) from logits [B, T, K].
+
+        Sinkhorn runs over the tokens of each sequence either way; in training mode its column potentials update
+        ``group_bias``. ``causal=False`` returns Sinkhorn's own memberships (the paper: each depends on the whole
+        sequence, gradients through every iteration). ``causal=True`` returns softmax_k(logits + group_bias), the
+        routing used at inference, so training sees what evaluation sees and no token's routing depends on a later
+        token; balance then comes only through ``group_bias`` following the potentials.
+        """
         log_assign, potentials = sinkhorn(logits, self.config.sinkhorn_iters)
         if self.training:
             with torch.no_grad():
                 centred = (potentials - potentials.mean(dim=-1, keepdim=True)).mean(dim=0)
                 self.group_bias.mul_(self.config.bias_momentum).add_(centred, alpha=1 - self.config.bias_momentum)
+        if causal:
+            return causal_log_assign(logits, self.group_bias).exp()
         return log_assign.exp()

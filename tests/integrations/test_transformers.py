@@ -258,6 +258,28 @@ def test_train_mode_sees_the_future(arch):
     assert (a[:, :-5] - b[:, :-5]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_causal_training_routing_does_not_see_the_future(arch):
+    """train_routing="causal" trains with the inference routing: mode "train" is then causal too."""
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(**SPARSE, mode="train", train_routing="causal"))
+    ids = random_ids()
+    a, b = _logits(model, ids), _logits(model, _future_changed(ids))
+    torch.testing.assert_close(a[:, :-5], b[:, :-5], rtol=0, atol=1e-6)
+    assert (a[:, -5:] - b[:, -5:]).abs().max() > 1e-3
+
+
+def test_causal_training_routing_trains_the_router_and_its_biases():
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE, mode="train", train_routing="causal"))
+    layer = next(iter(focus_layers(model)))
+    layer.router.train()
+    ids = random_ids()
+    model(ids, labels=ids).loss.backward()
+    assert layer.router.proj.weight.grad.abs().sum() > 0 and layer.router.centroids.grad.abs().sum() > 0
+    assert layer.router.group_bias.abs().sum() > 0  # running Sinkhorn potentials, updated in training mode
+
+
 # 5. Decoding with a KV cache equals recomputing the whole sequence.
 
 def _greedy_recompute(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
