@@ -97,3 +97,12 @@ def check_out(out, q: torch.Tensor) -> None:
     if not ok:
         got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else out
         fail("out", f"a contiguous {q.dtype} tensor {tuple(q.shape)} on {q.device}", got)
+
+
+def check_attention_call(q, k, v, *, attn_mask=None, out=None):
+    """The checks every attention op shares: q/k/v layout, no NaN, the optional padding mask and output buffer.
+    Returns attn_mask."""
+    check_qkv(q, k, v)
+    check_no_nan(q=q, k=k, v=v)
+    check_out(out, q)
+    return check_attn_mask(attn_mask, q, k)

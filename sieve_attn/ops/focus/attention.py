@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from ..._checks import check_attn_mask, check_choice, check_int, check_no_nan, check_out, check_positive_float
-from ..._checks import check_qkv, check_softcap, fail, resolve_scale
+from ..._checks import check_attention_call, check_choice, check_int, check_positive_float, check_softcap, fail
+from ..._checks import resolve_scale
 from .reference import focus_attention_reference, focus_soft_attention_reference
 
 BACKENDS = ("auto", "reference")
@@ -79,13 +79,10 @@ def focus_attention(
 
     Returns out [B, Hq, Tq, D] (dtype of q), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``.
     """
-    check_qkv(q, k, v)
-    check_no_nan(q=q, k=k, v=v)
+    attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     groups = check_groups(groups, q.shape[0], k.shape[2], q.device)
     window = check_int("window", window, 0)
     check_choice("backend", backend, BACKENDS)
-    attn_mask = check_attn_mask(attn_mask, q, k)
-    check_out(out, q)
     out, lse = focus_attention_reference(q, k, v, groups, window=window, causal=bool(causal),
                                          scale=resolve_scale(scale, q.shape[-1]), softcap=check_softcap(softcap),
                                          attn_mask=attn_mask, out=out)
@@ -118,8 +115,7 @@ def focus_soft_attention(
 
     Returns out [B, Hq, Tq, D] (and lse [B, Hq, Tq] when ``return_lse``). Gradients flow to q, k, v and assign.
     """
-    check_qkv(q, k, v)
-    check_no_nan(q=q, k=k, v=v)
+    attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask)
     if not isinstance(assign, torch.Tensor) or not assign.dtype.is_floating_point:
         fail("assign", "a float tensor [B, T, K]", getattr(assign, "dtype", type(assign).__name__))
     if assign.dim() != 3 or assign.shape[0] != q.shape[0] or assign.shape[1] != k.shape[2] or assign.shape[2] < 1:
@@ -129,7 +125,6 @@ def focus_soft_attention(
     window = check_int("window", window, 0)
     check_choice("gate", gate, GATES)
     gate_lambda = check_positive_float("gate_lambda", gate_lambda)
-    attn_mask = check_attn_mask(attn_mask, q, k)
     out, lse = focus_soft_attention_reference(q, k, v, assign, window=window, gate=gate, gate_lambda=gate_lambda,
                                               causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
                                               softcap=check_softcap(softcap), attn_mask=attn_mask)

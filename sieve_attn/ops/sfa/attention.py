@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..._checks import check_attn_mask, check_choice, check_int, check_no_nan, check_out, check_qkv, resolve_scale
+from ..._checks import check_attention_call, check_choice, check_int, resolve_scale
 from .reference import sfa_attention_reference
 
 BACKENDS = ("auto", "reference")
@@ -49,12 +49,9 @@ def sfa_attention(
 
     Returns out [B, Hq, Tq, D] (dtype of q), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``.
     """
-    check_qkv(q, k, v)
-    check_no_nan(q=q, k=k, v=v)
+    attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     topk = check_int("topk", topk, 1, q.shape[-1])
     check_choice("backend", backend, BACKENDS)
-    attn_mask = check_attn_mask(attn_mask, q, k)
-    check_out(out, q)
     out, lse = sfa_attention_reference(q, k, v, topk=topk, causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
                                        attn_mask=attn_mask, out=out)
     return (out, lse.float()) if return_lse else out
