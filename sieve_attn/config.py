@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass
 from ._checks import check_choice, check_int, check_positive_float, fail
 
 FOCUS_MODES = ("train", "soft", "hard", "dense")
+FOCUS_BACKENDS = ("auto", "reference", "dense", "triton")
+# Settings that change how a trained router is used, not what it is: an adapter fits whatever their values.
+FOCUS_INFERENCE_FIELDS = ("mode", "backend")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class FocusConfig:
     or "causal" (the inference routing, softmax of logits + group biases; strictly causal).
     mode: what the composed attention computes: "train" (Sinkhorn + soft gate, sees the whole sequence),
     "soft" (causal routing + soft gate), "hard" (causal top-k groups, the sparse pattern), "dense" (router off).
+    backend: how the hard pattern is computed (:func:`sieve_attn.focus_attention`'s ``backend``; "auto" picks the
+    fastest exact one for the device and length).
     """
 
     num_groups: int = 8
@@ -36,6 +41,7 @@ class FocusConfig:
     bias_momentum: float = 0.95
     train_routing: str = "sinkhorn"
     mode: str = "hard"
+    backend: str = "auto"
 
     def __post_init__(self):
         check_int("num_groups", self.num_groups, 1)
@@ -51,6 +57,7 @@ class FocusConfig:
             fail("bias_momentum", "a number in [0, 1)", repr(self.bias_momentum))
         check_choice("train_routing", self.train_routing, ("sinkhorn", "causal"))
         check_choice("mode", self.mode, FOCUS_MODES)
+        check_choice("backend", self.backend, FOCUS_BACKENDS)
 
     def to_dict(self) -> dict:
         return asdict(self)

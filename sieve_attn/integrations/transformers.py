@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .._checks import fail
-from ..config import FocusConfig
+from ..config import FOCUS_INFERENCE_FIELDS, FocusConfig
 from ..nn.focus_layer import FocusLayer
 
 ATTENTION_NAME = "sieve_focus"
@@ -174,6 +174,10 @@ def read_adapter_config(directory) -> dict:
     return json.loads(path.read_text())
 
 
+def _trained_fields(config: FocusConfig) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k not in FOCUS_INFERENCE_FIELDS}
+
+
 def load_adapter(model: nn.Module, directory) -> nn.Module:
     """Loads an adapter saved by :func:`save_adapter`, composing ``model`` first when it is still plain.
 
@@ -189,7 +193,7 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
         fail("model", f"the model the adapter was trained on {expected}", actual)
     if not is_composed(model):
         compose(model, config)
-    elif model.sieve_config.to_dict() | {"mode": config.mode} != config.to_dict():
+    elif _trained_fields(model.sieve_config) != _trained_fields(config):
         fail("model", f"a model composed with the adapter's config {config}", model.sieve_config)
     tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     current = adapter_state(model)

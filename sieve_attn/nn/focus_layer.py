@@ -10,6 +10,7 @@ from torch import nn
 from ..config import FocusConfig
 from ..ops.blockwise import blockwise_attention
 from ..ops.focus.attention import focus_attention, focus_soft_attention
+from ..ops.focus.groups import FocusGroups
 from ..ops.focus.reference import count_attended_pairs
 from ..ops.focus.routing import causal_log_assign, hard_groups, with_sinks_soft
 from .router import FocusRouter
@@ -76,37 +77,41 @@ class FocusLayer(nn.Module):
             current = with_sinks_soft(causal_log_assign(logits, self.router.group_bias).exp(), start, cfg.sink_tokens)
             assign = self._routing_of_keys(current, start, k_len)
         else:
-            current = hard_groups(logits, self.router.group_bias, cfg.top_k, start, cfg.sink_tokens)
-            groups = self._routing_of_keys(current, start, k_len)
+            ids = hard_groups(logits, self.router.group_bias, cfg.top_k, start, cfg.sink_tokens)
+            groups = self._routing_of_keys(FocusGroups.of(ids, *ids.shape[:2], ids.device), start, k_len)
             if self.count_pairs:
-                attended, candidates = count_attended_pairs(groups, cfg.window, q_len=q_len)
+                attended, candidates = count_attended_pairs(groups.ids, cfg.window, q_len=q_len)
                 self.pair_counts[0] += attended
                 self.pair_counts[1] += candidates
             return focus_attention(q, k, v, groups, window=cfg.window, scale=scale, softcap=softcap,
-                                   attn_mask=attn_mask)
+                                   attn_mask=attn_mask, backend=cfg.backend)
         return focus_soft_attention(q, k, v, assign, window=cfg.window, gate=cfg.gate, gate_lambda=cfg.gate_lambda,
                                     scale=scale, softcap=softcap, attn_mask=attn_mask)
 
-    def _routing_of_keys(self, current: torch.Tensor, start: int, k_len: int) -> torch.Tensor:
-        """Routing [B, k_len, ...] of the keys present, given the routing ``current`` of the new tokens at absolute
-        positions start.. . The keys are the last k_len of the sequence: a sliding-window cache keeps only the most
-        recent tokens, so routing is remembered for the whole sequence and sliced by absolute position."""
+    def _routing_of_keys(self, current, start: int, k_len: int):
+        """Routing of the keys present, given the routing ``current`` of the new tokens at absolute positions
+        start.. : soft memberships [B, Tq, K] or hard :class:`FocusGroups`. The keys are the last k_len of the
+        sequence: a sliding-window cache keeps only the most recent tokens, so routing is remembered for the whole
+        sequence and sliced by absolute position."""
         history = current
         if start:
             past = self._past
-            if past is None or past.shape[0] != current.shape[0] or past.shape[1] < start:
-                known = 0 if past is None else past.shape[1]
+            known = None if past is None else _length(past)
+            if known is None or _batch(past) != _batch(current) or known < start or type(past) is not type(current):
                 raise RuntimeError(f"FocusLayer: the KV cache holds {start} tokens but the router has seen "
-                                   f"{known} (batch {None if past is None else past.shape[0]}, now "
-                                   f"{current.shape[0]}); run the whole prompt through the composed model")
-            past = past[:, :start]
-            if past.shape[2] != current.shape[2]:  # hard groups: sink rows list every group, others top_k
-                width = max(past.shape[2], current.shape[2])
-                past, current = (_pad_slots(t, width) for t in (past, current))
-            history = torch.cat([past, current], dim=1)
-        self._past = history.detach()
-        return history[:, history.shape[1] - k_len:]
+                                   f"{known or 0} (batch {None if past is None else _batch(past)}, now "
+                                   f"{_batch(current)}); run the whole prompt through the composed model")
+            if isinstance(current, FocusGroups):
+                history = past.span(0, start).extend(current)
+            else:
+                history = torch.cat([past[:, :start], current], dim=1)
+        self._past = history if isinstance(history, FocusGroups) else history.detach()
+        return history.last(k_len) if isinstance(history, FocusGroups) else history[:, history.shape[1] - k_len:]
 
 
-def _pad_slots(groups: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.cat([groups, groups.new_full((*groups.shape[:2], width - groups.shape[2]), -1)], dim=-1)
+def _length(routing) -> int:
+    return routing.length if isinstance(routing, FocusGroups) else routing.shape[1]
+
+
+def _batch(routing) -> int:
+    return (routing.ids if isinstance(routing, FocusGroups) else routing).shape[0]

@@ -416,3 +416,28 @@ def test_router_parameter_count_gpt2_124m():
     assert len(routers) == 12
     assert sum(p.numel() for r in routers for p in r.parameters()) == 148_224
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 148_224
+
+
+# 9. The Triton backend inside a model (on the CPU through the Triton interpreter, see tests/conftest.py).
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_triton_backend_generation_equals_reference_and_recomputation(arch):
+    """backend='triton': the prompt goes through the pair-set kernels, every decoding step through the decode
+    kernel (which reads only the window and the query's groups). Logits equal the reference backend's; greedy tokens
+    equal recomputing the whole sequence each step."""
+    pytest.importorskip("triton")
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=2, backend="triton"))
+    prompt, new = random_ids(2, 20, seed=7), 6
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        fast = model.generate(prompt, **kwargs)
+    sa.reconfigure(model, backend="reference")
+    with torch.no_grad():
+        reference = model.generate(prompt, **kwargs)
+    torch.testing.assert_close(torch.stack(fast.logits, 1), torch.stack(reference.logits, 1), rtol=0, atol=1e-4)
+    assert torch.equal(fast.sequences, reference.sequences)
+    sa.reconfigure(model, backend="triton")
+    assert torch.equal(fast.sequences, _greedy_recompute(model, prompt, new))

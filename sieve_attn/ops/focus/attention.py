@@ -1,55 +1,38 @@
 """Public Focus attention ops: argument checks, then the backend that computes them.
 
-Only the plain-PyTorch reference backend exists for now; ``backend="auto"`` resolves to it on every device.
+Backends of the hard pattern (:func:`focus_attention`):
+- ``"reference"``: plain PyTorch, block by block (:mod:`.reference`), any device and dtype.
+- ``"dense"``: one SDPA call with the pattern as a boolean mask; exact, O(Tq x Tk) mask, for short sequences.
+- ``"triton"``: the pair-set kernels (:mod:`.triton_prefill`) for Tq == Tk, the decode kernel (:mod:`.decode`) for a
+  few new queries against a cache; forward and backward.
+``"auto"`` takes the Triton kernels on CUDA from ``DENSE_BELOW`` keys up and for decoding, ``"dense"`` on CUDA below
+that, and the reference elsewhere; :func:`focus_backend` says which one a call would use and why.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..._checks import check_attention_call, check_choice, check_int, check_positive_float, check_softcap, fail
 from ..._checks import resolve_scale
-from .reference import focus_attention_reference, focus_soft_attention_reference
+from ...config import FOCUS_BACKENDS as BACKENDS
+from .groups import FocusGroups
+from .reference import focus_attention_reference, focus_pair_mask, focus_soft_attention_reference
 
-BACKENDS = ("auto", "reference")
+# Below this many keys, dense SDPA with the pattern as a mask beats the Triton kernels on the H200
+# (benchmarks/results/focus_h200: the layout's fixed cost dominates short sequences).
+DENSE_BELOW = 4096
+# Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
+DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")
-
-
-def check_groups(groups: torch.Tensor, batch: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """Validates ``groups`` ([B, T] or [B, T, m] ints) and returns it as [B, T, m]."""
-    if not isinstance(groups, torch.Tensor):
-        fail("groups", "an integer tensor [B, T] or [B, T, m]", type(groups).__name__)
-    if groups.dtype.is_floating_point or groups.dtype.is_complex or groups.dtype == torch.bool:
-        fail("groups", "an integer dtype", groups.dtype)
-    if groups.dim() not in (2, 3):
-        fail("groups", f"shape [B, T] or [B, T, m] with B={batch}, T={k_len}", f"shape {tuple(groups.shape)}")
-    if groups.shape[0] != batch or groups.shape[1] != k_len:
-        fail("groups", f"shape [B, T, ...] with B={batch}, T={k_len} (one entry per key token)",
-             f"shape {tuple(groups.shape)}")
-    if groups.device != device:
-        fail("groups", f"a tensor on {device}", groups.device)
-    slots = groups if groups.dim() == 3 else groups[..., None]
-    if slots.shape[2] == 0:
-        fail("groups", "at least one membership slot (m >= 1)", "m = 0")
-    if slots.numel() == 0:
-        return slots.long()
-    low = -1 if groups.dim() == 3 else 0
-    if int(slots.min()) < low:
-        fail("groups", f"group ids >= {low}" + (" (-1 marks an empty slot)" if low < 0 else ""), int(slots.min()))
-    if not bool((slots >= 0).any(dim=-1).all()):
-        fail("groups", "every token in at least one group", "a token whose slots are all -1")
-    ordered = slots.sort(dim=-1).values
-    if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()):
-        fail("groups", "distinct group ids among a token's slots", "a token listing one group twice")
-    return slots.long()
 
 
 def focus_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    groups: torch.Tensor,
+    groups: Union[torch.Tensor, FocusGroups],
     *,
     window: int = 128,
     causal: bool = True,
@@ -66,7 +49,8 @@ def focus_attention(
         q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D] with Hq % Hkv == 0 (MHA, GQA, MQA). Query i sits at key position
             Tk - Tq + i, so a decode step passes the new queries with the whole cache.
         groups: int [B, Tk] (one group per token) or [B, Tk, m] (m memberships, -1 = empty slot; every token needs
-            at least one group, and a token lists a group at most once). Shared by all heads.
+            at least one group, and a token lists a group at most once). Shared by all heads. Or a
+            :class:`~sieve_attn.ops.focus.groups.FocusGroups` of them, validated once (a decoder's running routing).
         window: pair (i, j) is local when 0 <= i - j <= window (FlashAttention's window_size=(window, 0)).
         causal: only keys at positions <= the query's attend.
         scale: logit scale, default 1/sqrt(D). softcap: logits become softcap * tanh(logit / softcap).
@@ -80,13 +64,103 @@ def focus_attention(
     Returns out [B, Hq, Tq, D] (dtype of q), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``.
     """
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
-    groups = check_groups(groups, q.shape[0], k.shape[2], q.device)
+    groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     window = check_int("window", window, 0)
+    causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
+    name, _ = _resolve(q, k, groups.num_groups, causal=causal, softcap=softcap, attn_mask=attn_mask, backend=backend,
+                       return_lse=return_lse)
+    if name == "reference":
+        result, lse = focus_attention_reference(q, k, v, groups.ids, window=window, causal=causal, scale=scale,
+                                                softcap=softcap, attn_mask=attn_mask, out=out)
+        return (result, lse.float()) if return_lse else result
+    if name == "dense":
+        result, lse = _dense(q, k, v, groups.ids, window=window, causal=causal, scale=scale, attn_mask=attn_mask), None
+    elif q.shape[2] == k.shape[2]:
+        from .triton_prefill import focus_attention_triton
+        result, lse = focus_attention_triton(q, k, v, groups.ids, groups.bits, num_groups=groups.num_groups,
+                                             window=window, causal=causal, scale=scale, softcap=softcap)
+    else:
+        from .decode import focus_decode
+        result, lse = focus_decode(q, k, v, groups.bits, window=window, scale=scale, softcap=softcap)
+    if out is not None:
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
+
+
+def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, causal: bool = True,
+                  softcap: Optional[float] = None, attn_mask: Optional[torch.Tensor] = None, backend: str = "auto",
+                  return_lse: bool = False) -> tuple[str, str]:
+    """(backend, reason): the backend :func:`focus_attention` uses for these arguments, and why.
+
+    Raises ValueError when an explicitly requested backend cannot serve the call."""
+    groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
+    return _resolve(q, k, groups.num_groups, causal=bool(causal), softcap=softcap, attn_mask=attn_mask, backend=backend,
+                    return_lse=return_lse)
+
+
+def _triton_blocker(q, k, num_groups, causal, attn_mask) -> Optional[str]:
+    """Why the Triton kernels cannot compute this call, or None when they can."""
+    import os
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the Triton kernels run on CUDA devices (or with TRITON_INTERPRET=1), q is on {q.device}"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the Triton kernels take float16, bfloat16 or float32, q is {q.dtype}"
+    head_dim = q.shape[-1]
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"the Triton kernels take head dims that are powers of two in [16, 256], got {head_dim}"
+    if attn_mask is not None:
+        return "the Triton kernels take no attn_mask (padding); the reference does"
+    if num_groups > 63:
+        return f"the Triton kernels take group ids < 63, got {num_groups - 1}"
+    q_len, k_len = q.shape[2], k.shape[2]
+    if q_len != k_len and (q_len > DECODE_MAX_QUERIES or not causal):
+        return (f"the Triton kernels take Tq == Tk (prefill) or a causal decode step of at most "
+                f"{DECODE_MAX_QUERIES} queries, got Tq={q_len}, Tk={k_len}, causal={causal}")
+    return None
+
+
+def _resolve(q, k, num_groups, *, causal, softcap, attn_mask, backend, return_lse) -> tuple[str, str]:
     check_choice("backend", backend, BACKENDS)
-    out, lse = focus_attention_reference(q, k, v, groups, window=window, causal=bool(causal),
-                                         scale=resolve_scale(scale, q.shape[-1]), softcap=check_softcap(softcap),
-                                         attn_mask=attn_mask, out=out)
-    return (out, lse.float()) if return_lse else out
+    if backend == "reference":
+        return "reference", "requested"
+    blocker = _triton_blocker(q, k, num_groups, causal, attn_mask)
+    if backend == "triton":
+        if blocker:
+            fail("backend", "a call the Triton kernels can compute ('triton')", blocker)
+        return "triton", "requested"
+    if backend == "dense":
+        if return_lse:
+            fail("return_lse", "False with backend='dense' (SDPA returns no log-sum-exp)", True)
+        if softcap is not None:
+            fail("softcap", "None with backend='dense' (SDPA has no logit soft-capping)", softcap)
+        return "dense", "requested"
+    if blocker:
+        return "reference", blocker
+    short = q.shape[2] == k.shape[2] and k.shape[2] < DENSE_BELOW
+    if q.device.type == "cuda" and short and not return_lse and softcap is None:
+        return "dense", f"{k.shape[2]} keys < DENSE_BELOW={DENSE_BELOW}: dense SDPA with the pattern mask is faster"
+    if q.device.type != "cuda":
+        return "reference", "not on a CUDA device"
+    return "triton", "decode step" if q.shape[2] < k.shape[2] else f"{k.shape[2]} keys >= DENSE_BELOW"
+
+
+def _dense(q, k, v, groups, *, window, causal, scale, attn_mask):
+    """SDPA with the Focus pattern as a [B, 1, Tq, Tk] boolean mask; rows with no key give 0 (not NaN)."""
+    k_len = k.shape[2]
+    q_pos = torch.arange(k_len - q.shape[2], k_len, device=q.device)
+    k_pos = torch.arange(k_len, device=q.device)
+    allowed = focus_pair_mask(groups, window)(q_pos, k_pos)[:, None]
+    if causal:
+        allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+    if attn_mask is not None:
+        allowed = allowed & attn_mask
+    result = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                                              enable_gqa=q.shape[1] != k.shape[1])
+    return result.masked_fill(~allowed.any(-1, keepdim=True), 0)
 
 
 def focus_soft_attention(

@@ -1,0 +1,1 @@
+"""Benchmarks of the attention ops against dense kernels (``sieve bench ...``)."""

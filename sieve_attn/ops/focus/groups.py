@@ -1,0 +1,93 @@
+"""Validated group memberships of the key tokens, with the bit sets the fast kernels read.
+
+:func:`~sieve_attn.ops.focus.attention.focus_attention` takes either a raw id tensor, validated on every call, or a
+:class:`FocusGroups`, validated once when built. A decoder keeps one per layer and :meth:`FocusGroups.extend` s it
+with each step's new tokens, so a decode step validates one token, not the whole cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..._checks import fail
+from .reference import group_bits
+
+
+@dataclass(frozen=True)
+class FocusGroups:
+    """ids [B, T, m] int64 (-1 = empty slot); bits [B, T] int64 bit sets (None when an id is >= 63);
+    num_groups = largest id + 1 (0 for an empty sequence)."""
+
+    ids: torch.Tensor
+    bits: Optional[torch.Tensor]
+    num_groups: int
+
+    @classmethod
+    def of(cls, groups: torch.Tensor, batch: int, length: int, device: torch.device) -> "FocusGroups":
+        """Validates ``groups`` ([B, T] or [B, T, m] ints, shape and device as given) with one host sync."""
+        if isinstance(groups, FocusGroups):
+            if groups.ids.shape[:2] != (batch, length) or groups.ids.device != device:
+                fail("groups", f"FocusGroups of B={batch}, T={length} on {device}",
+                     f"B={groups.ids.shape[0]}, T={groups.ids.shape[1]} on {groups.ids.device}")
+            return groups
+        ids, num_groups = _checked_ids(groups, batch, length, device)
+        return cls(ids, group_bits(ids) if num_groups <= 63 else None, num_groups)
+
+    def extend(self, new: "FocusGroups") -> "FocusGroups":
+        """The memberships of these tokens followed by those of ``new`` (slot counts padded with -1)."""
+        width = max(self.ids.shape[2], new.ids.shape[2])
+        ids = torch.cat([_pad_slots(self.ids, width), _pad_slots(new.ids, width)], dim=1)
+        bits = None if self.bits is None or new.bits is None else torch.cat([self.bits, new.bits], dim=1)
+        return FocusGroups(ids, bits, max(self.num_groups, new.num_groups))
+
+    def span(self, start: int, stop: int) -> "FocusGroups":
+        """The memberships of tokens start..stop-1."""
+        return FocusGroups(self.ids[:, start:stop], None if self.bits is None else self.bits[:, start:stop],
+                           self.num_groups)
+
+    def last(self, count: int) -> "FocusGroups":
+        return self.span(self.length - count, self.length)
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+
+def _pad_slots(ids: torch.Tensor, width: int) -> torch.Tensor:
+    if ids.shape[2] == width:
+        return ids
+    return torch.cat([ids, ids.new_full((*ids.shape[:2], width - ids.shape[2]), -1)], dim=-1)
+
+
+def _checked_ids(groups, batch: int, k_len: int, device) -> tuple[torch.Tensor, int]:
+    """``groups`` as [B, T, m] int64 and the number of ids in use; ValueError naming what is wrong."""
+    if not isinstance(groups, torch.Tensor):
+        fail("groups", "an integer tensor [B, T] or [B, T, m]", type(groups).__name__)
+    if groups.dtype.is_floating_point or groups.dtype.is_complex or groups.dtype == torch.bool:
+        fail("groups", "an integer dtype", groups.dtype)
+    if groups.dim() not in (2, 3):
+        fail("groups", f"shape [B, T] or [B, T, m] with B={batch}, T={k_len}", f"shape {tuple(groups.shape)}")
+    if groups.shape[0] != batch or groups.shape[1] != k_len:
+        fail("groups", f"shape [B, T, ...] with B={batch}, T={k_len} (one entry per key token)",
+             f"shape {tuple(groups.shape)}")
+    if groups.device != torch.device(device):
+        fail("groups", f"a tensor on {device}", groups.device)
+    slots = (groups if groups.dim() == 3 else groups[..., None]).long()
+    if slots.shape[2] == 0:
+        fail("groups", "at least one membership slot (m >= 1)", "m = 0")
+    if slots.numel() == 0:
+        return slots, 0
+    ordered = slots.sort(dim=-1).values if slots.shape[2] > 1 else slots
+    repeated = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()
+    homeless = ~(slots >= 0).any(dim=-1).all()
+    low, high, repeated, homeless = torch.stack([slots.min(), slots.max(), repeated, homeless]).tolist()
+    floor = -1 if groups.dim() == 3 else 0
+    if low < floor:
+        fail("groups", f"group ids >= {floor}" + (" (-1 marks an empty slot)" if floor < 0 else ""), low)
+    if homeless:
+        fail("groups", "every token in at least one group", "a token whose slots are all -1")
+    if repeated:
+        fail("groups", "distinct group ids among a token's slots", "a token listing one group twice")
+    return slots, high + 1

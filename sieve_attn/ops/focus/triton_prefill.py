@@ -1,0 +1,463 @@
+"""Triton kernels of hard Focus attention for prefill and training (``backend="triton"``), forward and backward.
+
+The pattern is computed as its two disjoint pair sets (see :mod:`.layout`): the window set in position order, then
+the group set over the tokens sorted by group. Each costs dense attention on its own tiles only: a query reads its
+window plus the earlier members of its groups, never the whole sequence.
+
+Forward: the window kernel writes a float32 partial (output, log-sum-exp) per query; the group kernel starts each
+query's online softmax from that partial (so the merge costs no extra pass) and writes the final output. A token
+with several memberships has one copy per group; copies of rank >= 1 write extra partials that are merged by
+log-sum-exp afterwards (:func:`sieve_attn.ops.merge.merge_extra_partials`).
+
+Backward: with the final output O and log-sum-exp L of every query, a pair's gradient depends only on that pair:
+dS_ij = P_ij (dO_i . v_j - dO_i . O_i) with P_ij = exp(s_ij - L_i). So each pair set (and each copy) runs a plain
+FlashAttention-2 backward over its own tiles with the global L and delta_i = dO_i . O_i, and adds dq, dk, dv
+atomically in float32 (tokens are scattered in the group layout; the sum order is not deterministic).
+
+K and V are read per KV head (GQA, MQA) and never copied per query head; the sorted layout is read through
+token indices, so nothing is gathered into a copy either.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..merge import merge_extra_partials
+from .layout import group_layout, window_layout
+
+# Running maximum of an empty row: finite, so exp2(m_old - m_new) never computes inf - inf.
+_EMPTY_MAX = tl.constexpr(-1.0e30)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile sizes: ``layout`` slots per layout tile; forward query x key tiles; backward tiles (dq and dk/dv)."""
+
+    layout: int
+    fwd_m: int
+    fwd_n: int
+    bwd: int
+    fwd_warps: int
+    bwd_warps: int
+    fwd_stages: int
+    bwd_stages: int
+
+
+def tiling(device: torch.device) -> Tiling:
+    """Tiles measured best on the H200 (benchmarks/results/focus_h200/NOTES.md: fwd 128 x 64 with 4 warps, bwd 64 x 64
+    with 4 warps); in the interpreter small tiles that still exercise several key steps per query tile and several
+    sub-tiles per layout tile."""
+    if device.type == "cuda":
+        return Tiling(layout=128, fwd_m=128, fwd_n=64, bwd=64, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=2)
+    return Tiling(layout=32, fwd_m=32, fwd_n=16, bwd=16, fwd_warps=4, bwd_warps=4, fwd_stages=1, bwd_stages=1)
+
+
+@triton.jit
+def _pair_mask(q_tok, k_tok, q_bits, k_bits, lower, window, WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr,
+               MULTI: tl.constexpr):
+    """Pairs of the set among broadcastable query/key token indices (-1 = padding) and group bit sets."""
+    allowed = (q_tok >= 0) & (k_tok >= 0)
+    if WINDOW_SET:
+        distance = q_tok - k_tok
+        allowed = allowed & (distance >= 0) & (distance <= window) & ((q_bits & k_bits) == 0)
+    else:
+        if CAUSAL:
+            allowed = allowed & (k_tok <= q_tok)
+        if MULTI:  # count a pair only in the lowest group the two tokens share
+            allowed = allowed & ((q_bits & k_bits & lower) == 0)
+    return allowed
+
+
+@triton.jit
+def _logits(dot, scale, softcap, SOFTCAP: tl.constexpr):
+    """(logits in log2 units, d logit / d raw logit) for raw dot products; softcap uses tanh = 2 sigmoid(2x) - 1."""
+    raw = dot * scale
+    if SOFTCAP:
+        t = 2.0 * tl.sigmoid(2.0 * raw / softcap) - 1.0
+        return softcap * t * 1.4426950408889634, 1.0 - t * t
+    return raw * 1.4426950408889634, 1.0
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b accumulated in float32. IEEE: exact float32 products (operands already rounded to their dtype, so a
+    bfloat16 product is the same as the tensor cores'); used for float32 inputs, where tf32 would lose precision the
+    caller asked for, and in the interpreter, whose bfloat16 dot is wrong (Triton 3.9)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _rows(base, tok, stride_t, offs_d):
+    """[len(tok), D] rows of one head, zero for padding slots."""
+    ptrs = base + tl.maximum(tok, 0).to(tl.int64)[:, None] * stride_t + offs_d[None, :]
+    return tl.load(ptrs, mask=(tok >= 0)[:, None], other=0.0)
+
+
+@triton.jit
+def _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS_ROW, lower, lo, hi, s_kt, s_vt,
+               window, scale, softcap, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
+               IEEE: tl.constexpr):
+    """Online-softmax steps over key slots [lo, hi); unmasked steps hold real keys that every query attends."""
+    for start in range(lo, hi, BLOCK_N):
+        k_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK_N))
+        k = _rows(k_base, k_tok, s_kt, offs_d)
+        v = _rows(v_base, k_tok, s_vt, offs_d)
+        s, _ = _logits(_dot(q, tl.trans(k), IEEE), scale, softcap, SOFTCAP)
+        if MASKED:
+            k_bits = tl.load(BITS_ROW + tl.maximum(k_tok, 0))
+            allowed = _pair_mask(q_tok[:, None], k_tok[None, :], q_bits[:, None], k_bits[None, :], lower, window,
+                                 WINDOW_SET, CAUSAL, MULTI)
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _key_range(TILE_SEG_START, TILE_SEG_END, tile, q_start, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key slots [lo, hi) read by the query sub-tile at slot q_start: ``window`` positions back (window set), the
+    segment up to the sub-tile (causal), or the whole segment."""
+    lo = tl.load(TILE_SEG_START + tile)
+    hi = tl.load(TILE_SEG_END + tile)
+    if WINDOW_SET:
+        lo = tl.maximum(lo, tl.maximum(q_start - window, 0) // BLOCK_N * BLOCK_N)
+    if WINDOW_SET or CAUSAL:
+        hi = q_start + BLOCK_M
+    return lo, hi
+
+
+@triton.jit
+def _query_range(TILE_SEG_START, TILE_SEG_END, tile, k_start, window, BLOCK: tl.constexpr,
+                 WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query slots [lo, hi) that read the key sub-tile at slot k_start (the mirror of :func:`_key_range`)."""
+    lo = tl.load(TILE_SEG_START + tile)
+    hi = tl.load(TILE_SEG_END + tile)
+    if WINDOW_SET or CAUSAL:
+        lo = k_start
+    if WINDOW_SET:
+        hi = tl.minimum(hi, (k_start + BLOCK + window + BLOCK - 1) // BLOCK * BLOCK)
+    return lo, hi
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, TILE_SEG_START, TILE_SEG_END,
+                INIT_O, INIT_LSE, O, LSE, EXTRA_O, EXTRA_LSE,
+                s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_oh, s_ot, s_ib, s_ih, s_it,
+                s_bits, num_heads, length, window, scale, softcap,
+                GQA: tl.constexpr, HEAD_DIM: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr,
+                HAS_INIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    q_start = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    tile = q_start // LAYOUT
+    b = tl.load(TILE_BATCH + tile).to(tl.int64)
+    lower = tl.load(TILE_LOWER + tile)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_slots = q_start + tl.arange(0, BLOCK_M)
+    q_tok = tl.load(SLOT_TOKEN + q_slots)
+    bits_row = BITS + b * s_bits
+    q_bits = tl.load(bits_row + tl.maximum(q_tok, 0))
+    q = _rows(Q + b * s_qb + head * s_qh, q_tok, s_qt, offs_d)
+    k_base = K + b * s_kb + (head // GQA) * s_kh
+    v_base = V + b * s_vb + (head // GQA) * s_vh
+    stats = LSE + b * (num_heads * length) + head * length
+
+    m_i = tl.full([BLOCK_M], _EMPTY_MAX, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    extra = tl.load(SLOT_EXTRA + q_slots)
+    if HAS_INIT:  # rank-0 copies continue from the window set's partial result
+        init_tok = tl.where(extra < 0, q_tok, -1)
+        init_lse = tl.load(INIT_LSE + b * (num_heads * length) + head * length + tl.maximum(init_tok, 0),
+                           mask=init_tok >= 0, other=float("-inf"))
+        has = init_lse > float("-inf")
+        m_i = tl.where(has, init_lse * 1.4426950408889634, m_i)
+        l_i = tl.where(has, 1.0, l_i)
+        acc = _rows(INIT_O + b * s_ib + head * s_ih, tl.where(has, init_tok, -1), s_it, offs_d)
+
+    lo, hi = _key_range(TILE_SEG_START, TILE_SEG_END, tile, q_start, window, BLOCK_M, BLOCK_N, WINDOW_SET, CAUSAL)
+    if WINDOW_SET or MULTI or not CAUSAL:
+        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
+                                   lo, hi, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK_N, True,
+                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+    else:  # keys before the sub-tile are earlier real members of the group: no mask
+        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
+                                   lo, q_start, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK_N, False,
+                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
+                                   q_start, hi, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK_N, True,
+                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    final = (q_tok >= 0) & (extra < 0)
+    o_ptrs = O + b * s_ob + head * s_oh + tl.maximum(q_tok, 0).to(tl.int64)[:, None] * s_ot + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=final[:, None])
+    tl.store(stats + tl.maximum(q_tok, 0), lse, mask=final)
+    if MULTI:
+        is_extra = (q_tok >= 0) & (extra >= 0)
+        row = tl.maximum(extra, 0).to(tl.int64) * num_heads + head
+        tl.store(EXTRA_O + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=is_extra[:, None])
+        tl.store(EXTRA_LSE + row, lse, mask=is_extra)
+
+
+@triton.jit
+def _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS_ROW, lower, lo, hi, s_kt,
+              s_vt, window, scale, softcap, offs_d, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+              WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
+              IEEE: tl.constexpr):
+    for start in range(lo, hi, BLOCK):
+        k_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK))
+        k = _rows(k_base, k_tok, s_kt, offs_d)
+        v = _rows(v_base, k_tok, s_vt, offs_d)
+        s, dcap = _logits(_dot(q, tl.trans(k), IEEE), scale, softcap, SOFTCAP)
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            k_bits = tl.load(BITS_ROW + tl.maximum(k_tok, 0))
+            allowed = _pair_mask(q_tok[:, None], k_tok[None, :], q_bits[:, None], k_bits[None, :], lower, window,
+                                 WINDOW_SET, CAUSAL, MULTI)
+            p = tl.where(allowed, p, 0.0)
+        ds = p * (_dot(do, tl.trans(v), IEEE) - delta[:, None]) * dcap
+        dq += _dot(ds.to(k.dtype), k, IEEE)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BITS, SLOT_TOKEN, TILE_BATCH, TILE_LOWER, TILE_SEG_START, TILE_SEG_END,
+                   s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_db, s_dh, s_dt,
+                   s_bits, num_heads, length, window, scale, softcap,
+                   GQA: tl.constexpr, HEAD_DIM: tl.constexpr, LAYOUT: tl.constexpr, BLOCK: tl.constexpr,
+                   WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
+                   IEEE: tl.constexpr):
+    q_start = tl.program_id(0) * BLOCK
+    head = tl.program_id(1)
+    tile = q_start // LAYOUT
+    b = tl.load(TILE_BATCH + tile).to(tl.int64)
+    lower = tl.load(TILE_LOWER + tile)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_tok = tl.load(SLOT_TOKEN + q_start + tl.arange(0, BLOCK))
+    bits_row = BITS + b * s_bits
+    q_bits = tl.load(bits_row + tl.maximum(q_tok, 0))
+    q = _rows(Q + b * s_qb + head * s_qh, q_tok, s_qt, offs_d)
+    do = _rows(DO + b * s_db + head * s_dh, q_tok, s_dt, offs_d)
+    row_stats = b * (num_heads * length) + head * length + tl.maximum(q_tok, 0)
+    lse = tl.load(LSE + row_stats, mask=q_tok >= 0, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + row_stats, mask=q_tok >= 0, other=0.0)
+    k_base = K + b * s_kb + (head // GQA) * s_kh
+    v_base = V + b * s_vb + (head // GQA) * s_vh
+
+    dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    lo, hi = _key_range(TILE_SEG_START, TILE_SEG_END, tile, q_start, window, BLOCK, BLOCK, WINDOW_SET, CAUSAL)
+    if WINDOW_SET or MULTI or not CAUSAL:
+        dq = _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower, lo, hi,
+                       s_kt, s_vt, window, scale, softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL, MULTI,
+                       SOFTCAP, IEEE)
+    else:
+        dq = _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower, lo,
+                       q_start, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK, False, WINDOW_SET, CAUSAL,
+                       MULTI, SOFTCAP, IEEE)
+        dq = _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
+                       q_start, hi, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL,
+                       MULTI, SOFTCAP, IEEE)
+    ptrs = DQ + b * s_qb + head * s_qh + tl.maximum(q_tok, 0).to(tl.int64)[:, None] * s_qt + offs_d[None, :]
+    tl.atomic_add(ptrs, dq * scale, mask=(q_tok >= 0)[:, None])
+
+
+@triton.jit
+def _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE_ROW, DELTA_ROW, SLOT_TOKEN, BITS_ROW, lower, lo, hi,
+                s_qt, s_dt, window, scale, softcap, offs_d, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+                WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
+                IEEE: tl.constexpr):
+    """Steps over query slots [lo, hi); padding queries load q = dO = 0 and contribute nothing unmasked."""
+    for start in range(lo, hi, BLOCK):
+        q_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK))
+        q = _rows(q_base, q_tok, s_qt, offs_d)
+        do = _rows(do_base, q_tok, s_dt, offs_d)
+        lse = tl.load(LSE_ROW + tl.maximum(q_tok, 0), mask=q_tok >= 0, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA_ROW + tl.maximum(q_tok, 0), mask=q_tok >= 0, other=0.0)
+        s_t, dcap_t = _logits(_dot(k, tl.trans(q), IEEE), scale, softcap, SOFTCAP)  # [keys, queries]
+        p_t = tl.exp2(s_t - lse[None, :])
+        if MASKED:
+            q_bits = tl.load(BITS_ROW + tl.maximum(q_tok, 0))
+            allowed = _pair_mask(q_tok[None, :], k_tok[:, None], q_bits[None, :], k_bits[:, None], lower, window,
+                                 WINDOW_SET, CAUSAL, MULTI)
+            p_t = tl.where(allowed, p_t, 0.0)
+        dv += _dot(p_t.to(do.dtype), do, IEEE)
+        ds_t = p_t * (_dot(v, tl.trans(do), IEEE) - delta[None, :]) * dcap_t
+        dk += _dot(ds_t.to(q.dtype), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, BITS, SLOT_TOKEN, TILE_BATCH, TILE_LOWER, TILE_SEG_START,
+                     TILE_SEG_END, s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_db, s_dh, s_dt,
+                     s_bits, num_heads, length, window, scale, softcap,
+                     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, LAYOUT: tl.constexpr, BLOCK: tl.constexpr,
+                     WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
+                     IEEE: tl.constexpr):
+    k_start = tl.program_id(0) * BLOCK
+    kv_head = tl.program_id(1)
+    tile = k_start // LAYOUT
+    b = tl.load(TILE_BATCH + tile).to(tl.int64)
+    lower = tl.load(TILE_LOWER + tile)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_tok = tl.load(SLOT_TOKEN + k_start + tl.arange(0, BLOCK))
+    bits_row = BITS + b * s_bits
+    k_bits = tl.load(bits_row + tl.maximum(k_tok, 0))
+    k = _rows(K + b * s_kb + kv_head * s_kh, k_tok, s_kt, offs_d)
+    v = _rows(V + b * s_vb + kv_head * s_vh, k_tok, s_vt, offs_d)
+
+    lo, hi = _query_range(TILE_SEG_START, TILE_SEG_END, tile, k_start, window, BLOCK, WINDOW_SET, CAUSAL)
+    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    for g in range(GQA):
+        head = kv_head * GQA + g
+        q_base = Q + b * s_qb + head * s_qh
+        do_base = DO + b * s_db + head * s_dh
+        stats = b * (num_heads * length) + head * length
+        if WINDOW_SET or MULTI or not CAUSAL:
+            dk, dv = _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE + stats, DELTA + stats,
+                                 SLOT_TOKEN, bits_row, lower, lo, hi, s_qt, s_dt, window, scale, softcap, offs_d,
+                                 BLOCK, True, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+        else:  # queries after the sub-tile are later members of the group: no mask
+            dk, dv = _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE + stats, DELTA + stats,
+                                 SLOT_TOKEN, bits_row, lower, lo, k_start + BLOCK, s_qt, s_dt, window, scale,
+                                 softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+            dk, dv = _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE + stats, DELTA + stats,
+                                 SLOT_TOKEN, bits_row, lower, k_start + BLOCK, hi, s_qt, s_dt, window, scale,
+                                 softcap, offs_d, BLOCK, False, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+    rows = tl.maximum(k_tok, 0).to(tl.int64)[:, None] * s_kt + offs_d[None, :]
+    valid = (k_tok >= 0)[:, None]
+    tl.atomic_add(DK + b * s_kb + kv_head * s_kh + rows, dk * scale, mask=valid)
+    tl.atomic_add(DV + b * s_kb + kv_head * s_kh + rows, dv, mask=valid)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+class _Pattern:
+    """The two layouts and the settings shared by the forward and backward launches."""
+
+    def __init__(self, groups, bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device):
+        self.tiles = tiling(device)
+        self.kv_heads = kv_heads
+        self.window_layout = window_layout(batch, length, self.tiles.layout, device)
+        self.group_layout = group_layout(groups, self.tiles.layout, num_groups)
+        # With ids < 31 the bit sets fit 32-bit integers, whose masks cost half the instructions of 64-bit ones.
+        self.bits = (bits.int() if num_groups <= 31 else bits).contiguous()
+        self.lower = {id(layout): layout.tile_lower.to(self.bits.dtype)
+                      for layout in (self.window_layout, self.group_layout)}
+        self.window, self.causal, self.scale = window, causal, scale
+        self.softcap = softcap
+        self.multi = self.group_layout.num_extra > 0
+
+    def sets(self):
+        """(layout, WINDOW_SET, MULTI) of the two pair sets, window first."""
+        return ((self.window_layout, True, False), (self.group_layout, False, self.multi))
+
+    def meta(self, q, window_set, multi):
+        return dict(GQA=q.shape[1] // self.kv_heads, HEAD_DIM=q.shape[3], LAYOUT=self.tiles.layout,
+                    WINDOW_SET=window_set, CAUSAL=self.causal, MULTI=multi, SOFTCAP=self.softcap is not None,
+                    IEEE=q.dtype == torch.float32 or q.device.type != "cuda")
+
+    def scalars(self, q):
+        return (self.bits.stride(0), q.shape[1], q.shape[2], self.window, self.scale, self.softcap or 1.0)
+
+    def tables(self, layout):
+        return (self.bits, layout.slot_token, layout.tile_batch, self.lower[id(layout)], layout.tile_seg_start,
+                layout.tile_seg_end)
+
+
+def _forward(q, k, v, pattern: _Pattern):
+    batch, heads, length, dim = q.shape
+    tiles, grp = pattern.tiles, pattern.group_layout
+    partial = torch.empty(batch, heads, length, dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
+    extra_o = torch.empty(max(grp.num_extra, 1), heads, dim, dtype=torch.float32, device=q.device)
+    extra_lse = torch.empty(max(grp.num_extra, 1), heads, dtype=torch.float32, device=q.device)
+    common = (*_strides(q), *_strides(k), *_strides(v))
+    for (layout, window_set, multi), dest, dest_lse in zip(pattern.sets(), (partial, out), (partial_lse, lse)):
+        bits, slot_token, tile_batch, lower, seg_start, seg_end = pattern.tables(layout)
+        _fwd_kernel[(layout.num_tiles * tiles.layout // tiles.fwd_m, heads)](
+            q, k, v, bits, slot_token, layout.slot_extra, tile_batch, lower, seg_start, seg_end,
+            partial, partial_lse, dest, dest_lse, extra_o, extra_lse, *common, *_strides(dest), *_strides(partial),
+            *pattern.scalars(q), HAS_INIT=not window_set, BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n,
+            num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, **pattern.meta(q, window_set, multi))
+    if pattern.multi:
+        extra_slots = torch.nonzero(grp.slot_extra >= 0).squeeze(1)
+        order = grp.slot_extra[extra_slots].long()
+        batch_index = torch.empty_like(order)
+        token_index = torch.empty_like(order)
+        batch_index[order] = grp.tile_batch[extra_slots // tiles.layout].long()
+        token_index[order] = grp.slot_token[extra_slots].long()
+        merge_extra_partials(out, lse, extra_o[:grp.num_extra], extra_lse[:grp.num_extra], batch_index, token_index)
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, grad_out, pattern: _Pattern):
+    tiles = pattern.tiles
+    grad_out = grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    qc, kc, vc = (t.contiguous() for t in (q, k, v))
+    strides = (*_strides(qc), *_strides(kc), *_strides(vc), *_strides(grad_out))
+    for layout, window_set, multi in pattern.sets():
+        meta = dict(BLOCK=tiles.bwd, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
+                    **pattern.meta(q, window_set, multi))
+        programs = layout.num_tiles * tiles.layout // tiles.bwd
+        _bwd_dq_kernel[(programs, q.shape[1])](
+            qc, kc, vc, grad_out, lse, delta, dq, *pattern.tables(layout),
+            *strides, *pattern.scalars(q), **meta)
+        _bwd_dkdv_kernel[(programs, k.shape[1])](
+            qc, kc, vc, grad_out, lse, delta, dk, dv, *pattern.tables(layout), *strides, *pattern.scalars(q),
+            **meta)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _FocusTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pattern):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out, lse = _forward(q, k, v, pattern)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pattern = pattern
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.pattern)
+        return dq, dk, dv, None
+
+
+def focus_attention_triton(q, k, v, groups, bits, *, num_groups, window, causal, scale, softcap=None):
+    """Hard Focus attention through the Triton kernels. Arguments as validated by
+    :func:`sieve_attn.ops.focus.attention.focus_attention`, with Tq == Tk, group ids < 63, ``bits`` = their
+    :func:`~sieve_attn.ops.focus.reference.group_bits` [B, T], ids < ``num_groups`` <= 63 and D a power of two
+    in [16, 256].
+
+    Returns (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32). Gradients flow to q, k, v (not through lse).
+    """
+    pattern = _Pattern(groups, bits, num_groups, q.shape[0], q.shape[2], k.shape[1], window, causal, scale, softcap,
+                       q.device)
+    return _FocusTriton.apply(q, k, v, pattern)
+

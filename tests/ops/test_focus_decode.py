@@ -1,0 +1,140 @@
+"""focus_decode (Triton) against the plain-PyTorch Focus reference.
+
+On a machine without CUDA the kernels run in the Triton interpreter. The interpreter is chosen when a kernel is
+decorated, i.e. when sieve_attn.ops.focus.decode is first imported, so TRITON_INTERPRET must be set before that
+import: tests/conftest.py sets it for the session, and this module again (setdefault) so that it does not depend on
+that file. If the module was imported without the variable anyway, the kernel tests skip.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+from sieve_attn.ops.focus import decode  # noqa: E402
+from sieve_attn.ops.focus.decode import focus_decode  # noqa: E402
+from sieve_attn.ops.focus.reference import focus_attention_reference, focus_pair_mask, group_bits  # noqa: E402
+
+INTERPRETED = decode._INTERPRETED
+needs_kernels = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRETED,
+    reason="no CUDA, and sieve_attn.ops.focus.decode was imported before TRITON_INTERPRET=1 was set (by another "
+           "test module?); run with TRITON_INTERPRET=1 in the environment")
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+# (batch, q_heads, kv_heads, q_len, k_len, head_dim, window, num_groups, slots, dtype, softcap, strided)
+CASES = {
+    "one-key": (1, 2, 2, 1, 1, 32, 0, 1, 1, F32, None, False),
+    "mha-window0-two-slots-softcap": (2, 2, 2, 3, 63, 64, 0, 62, 2, F32, 5.0, True),
+    "gqa-window5-two-slots": (1, 4, 2, 3, 257, 64, 5, 62, 2, BF16, None, False),
+    "mqa-window-past-keys-softcap": (2, 3, 1, 1, 257, 32, 300, 4, 1, BF16, 2.0, True),
+    "mqa-window5-softcap": (1, 3, 1, 3, 257, 32, 5, 62, 1, F32, 2.0, False),
+    "two-row-blocks": (1, 8, 1, 9, 100, 32, 5, 8, 2, F32, None, True),
+    "fp16-d128": (1, 4, 2, 2, 257, 128, 5, 16, 2, F16, 5.0, False),
+    "d256": (1, 2, 1, 1, 129, 256, 5, 8, 2, BF16, None, False),
+}
+
+
+def random_groups(batch, length, num_groups, slots):
+    """[B, T, slots] distinct ids per token, some slots -1 (each token keeps at least one id)."""
+    ids = torch.rand(batch, length, num_groups).argsort(dim=-1)[..., :slots]
+    empty = torch.rand(batch, length, slots) < 0.4
+    empty[..., 0] = False
+    return ids.masked_fill(empty, -1)
+
+
+def make_inputs(batch, q_heads, kv_heads, q_len, k_len, head_dim, dtype, strided):
+    """q, k, v in ``dtype``; strided: q a transposed [B, Tq, H, D], k and v views of a longer cache."""
+    pad = 7 if strided else 0
+    q = torch.randn(batch, q_len, q_heads, head_dim, device=DEVICE, dtype=dtype).transpose(1, 2)
+    k, v = (torch.randn(batch, kv_heads, k_len + pad, head_dim, device=DEVICE, dtype=dtype)[:, :, :k_len]
+            for _ in range(2))
+    return (q if strided else q.contiguous()), k, v
+
+
+def poisoned(t, where):
+    """A copy of ``t`` with its strides, NaN where ``where`` (broadcast) is True."""
+    copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    return copy.masked_fill_(where, float("nan"))
+
+
+def max_error(got, exact):
+    return (got.double() - exact).abs().max().item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference(case):
+    batch, q_heads, kv_heads, q_len, k_len, head_dim, window, num_groups, slots, dtype, softcap, strided = case
+    torch.manual_seed(0)
+    q, k, v = make_inputs(batch, q_heads, kv_heads, q_len, k_len, head_dim, dtype, strided)
+    groups = random_groups(batch, k_len, num_groups, slots).to(DEVICE)
+    scale = head_dim ** -0.5
+    kwargs = dict(window=window, causal=True, scale=scale, softcap=softcap)
+    exact, exact_lse = focus_attention_reference(q.double(), k.double(), v.double(), groups, **kwargs)
+    low, low_lse = focus_attention_reference(q, k, v, groups, **kwargs)
+
+    # Keys no query attends are NaN for the kernel: reading one (or adding 0 * NaN) would show in the output.
+    q_pos = torch.arange(k_len - q_len, k_len, device=DEVICE)
+    k_pos = torch.arange(k_len, device=DEVICE)
+    pairs = focus_pair_mask(groups, window)(q_pos, k_pos) & (k_pos[None, :] <= q_pos[:, None])
+    unread = ~pairs.any(dim=1)[:, None, :, None]  # [B, 1, Tk, 1]
+    out, lse = focus_decode(q, poisoned(k, unread), poisoned(v, unread), group_bits(groups), window=window,
+                            scale=scale, softcap=softcap)
+
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == q.shape[:3] and lse.dtype == F32
+    assert not out.isnan().any() and not lse.isnan().any()
+    # FlashAttention's rule: at most twice the error of the reference run in the low precision, plus a floor.
+    floor = 1e-6
+    if INTERPRETED and dtype == BF16:
+        # The interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest): one more ulp.
+        floor += 2.0 ** -7 * exact.abs().max().item()
+    assert max_error(out, exact) <= 2 * max_error(low, exact) + floor
+    assert max_error(lse, exact_lse) <= 2 * max_error(low_lse, exact_lse) + 1e-5
+
+
+def test_split_fills_an_h200():
+    """Batch 1, 8 KV heads, 128K keys: enough chunk programs for 132 SMs, each chunk a whole number of tiles."""
+    chunk_keys, chunks = decode._split(8, 128 * 1024, decode._BLOCK_N, 132)
+    assert chunk_keys % decode._BLOCK_N == 0 and chunks * chunk_keys >= 128 * 1024 > (chunks - 1) * chunk_keys
+    assert 8 * chunks >= 4 * 132  # several resident programs per SM
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="records the interpreter's loads")
+def test_reads_each_attended_key_once_and_no_other(monkeypatch):
+    """Every K and V element the kernel loads belongs to a key some query attends, and each such row is loaded
+    exactly once per KV head (NaN values cannot show this for K: masked logits never reach the output)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    loaded = []
+    load = InterpreterBuilder.create_masked_load
+
+    def recording_load(self, ptrs, mask, *args):
+        loaded.append(ptrs.data[mask.data])
+        return load(self, ptrs, mask, *args)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_load", recording_load)
+    batch, q_heads, kv_heads, q_len, k_len, head_dim, window = 2, 4, 2, 3, 257, 32, 5
+    torch.manual_seed(0)
+    q, k, v = make_inputs(batch, q_heads, kv_heads, q_len, k_len, head_dim, F32, strided=False)
+    groups = random_groups(batch, k_len, 16, 1)
+    focus_decode(q, k, v, group_bits(groups), window=window, scale=1.0)
+
+    q_pos, k_pos = torch.arange(k_len - q_len, k_len), torch.arange(k_len)
+    pairs = focus_pair_mask(groups, window)(q_pos, k_pos) & (k_pos[None, :] <= q_pos[:, None])
+    attended = pairs.any(dim=1)[:, None, :].expand(batch, kv_heads, k_len)  # [B, Hkv, Tk]
+    addresses = torch.from_numpy(numpy.concatenate(loaded).astype("int64"))
+    for cache in (k, v):
+        offsets = (addresses - cache.data_ptr()) // cache.element_size()
+        offsets = offsets[(offsets >= 0) & (offsets < cache.numel())]
+        rows = torch.bincount(offsets // head_dim, minlength=batch * kv_heads * k_len).view(batch, kv_heads, k_len)
+        assert torch.equal(rows, attended * head_dim)
+    assert attended.float().mean() < 0.5  # the pattern is sparse enough for the check to mean something

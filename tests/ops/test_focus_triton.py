@@ -1,0 +1,127 @@
+"""Triton pair-set kernels of hard Focus attention (backend="triton", Tq == Tk) against the fp64 reference.
+
+Rule (FlashAttention's): the kernel's error against fp64 is at most twice the error of PyTorch's own attention in the
+same dtype (SDPA with the pattern as a mask, ``backend="dense"``) against fp64, for the output and for dq, dk, dv.
+Without CUDA the kernels run in the Triton interpreter (tests/conftest.py), on tiny shapes that still cover several
+layout tiles, sub-tiles and key steps per group.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sieve_attn.ops.focus.attention import focus_attention, focus_backend  # noqa: E402
+from sieve_attn.ops.focus.layout import group_layout, window_layout  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F32, BF16 = torch.float32, torch.bfloat16
+# Absolute floor of the bound: float32 SDPA can be within 1e-7 of fp64, closer than any other summation order.
+FLOOR = {F32: 2e-6, BF16: 1e-3}
+
+
+def _groups(batch, length, num_groups, slots, seed):
+    """[B, T, slots] distinct random ids; with 2 slots every third token leaves its second slot empty (-1), and the
+    first token (a sink) joins every group."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_groups, generator=gen)[:slots] for _ in range(batch * length)])
+    ids = ids.view(batch, length, slots)
+    if slots > 1:
+        ids[:, ::3, 1] = -1
+        sink = torch.arange(num_groups).expand(batch, 1, num_groups)
+        ids = torch.cat([ids, ids.new_full((batch, length, num_groups - slots), -1)], dim=-1)
+        ids[:, :1] = sink
+    return ids.to(DEVICE)
+
+
+def _run(q, k, v, groups, backend, **kw):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = focus_attention(q, k, v, groups, backend=backend, **kw)
+    grad = torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape).to(out.dtype)
+    out.backward(grad)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+# (batch, q_heads, kv_heads, length, head_dim, num_groups, slots, window, causal, softcap, dtype)
+CASES = {
+    "mha-top1": (1, 2, 2, 63, 16, 3, 1, 5, True, None, F32),
+    "gqa-top2-sink": (2, 4, 2, 70, 32, 4, 2, 7, True, None, F32),
+    "mqa-noncausal-softcap": (1, 3, 1, 45, 16, 5, 2, 3, False, 5.0, F32),
+    "one-group-window-past-end": (1, 2, 2, 40, 16, 1, 1, 100, True, None, F32),
+    "long-groups-bf16": (1, 2, 1, 150, 16, 2, 1, 40, True, None, BF16),
+    "window0-bf16-top2": (1, 2, 2, 97, 64, 3, 2, 0, True, None, BF16),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_forward_and_backward(case):
+    batch, hq, hkv, length, dim, num_groups, slots, window, causal, softcap, dtype = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    q, k, v = (torch.randn(batch, h, length, dim, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
+    groups = _groups(batch, length, num_groups, slots, seed=len(case))
+    kw = dict(window=window, causal=causal, softcap=softcap)
+    exact = _run(q.double(), k.double(), v.double(), groups, "reference", **kw)
+    fast = _run(q.to(dtype), k.to(dtype), v.to(dtype), groups, "triton", **kw)
+    # PyTorch's own low-precision attention: SDPA with the pattern mask (it has no softcap: then the reference).
+    baseline = _run(q.to(dtype), k.to(dtype), v.to(dtype), groups, "reference" if softcap else "dense", **kw)
+    for name, got, ref, base in zip(("out", "dq", "dk", "dv"), fast, exact, baseline):
+        assert not torch.isnan(got).any(), name
+        err = (got.double() - ref).abs().max().item()
+        bound = 2 * (base.double() - ref).abs().max().item() + FLOOR[dtype]
+        assert err <= bound, f"{case} {name}: error {err:.3g} > bound {bound:.3g}"
+
+
+def test_returns_lse_of_the_reference_and_writes_out():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 50, 16, generator=gen).to(DEVICE) for _ in range(3))
+    groups = _groups(1, 50, 4, 2, seed=3)
+    ref, ref_lse = focus_attention(q.double(), k.double(), v.double(), groups, window=4, backend="reference",
+                                   return_lse=True)
+    out = torch.full_like(q, float("nan"))
+    got, lse = focus_attention(q, k, v, groups, window=4, backend="triton", return_lse=True, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert (got.double() - ref).abs().max() < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+def test_group_layout_sorts_pads_and_ranks_memberships():
+    groups = torch.tensor([[[1, -1], [0, 1], [1, -1], [0, -1], [1, 0]]])
+    layout = group_layout(groups, block=4)
+    # group 0: tokens 1, 3, 4 (+1 padding); group 1: tokens 0, 1, 2, 4
+    assert layout.slot_token.tolist() == [1, 3, 4, -1, 0, 1, 2, 4]
+    # token 1 and token 4 have their rank-1 copy in group 1
+    assert layout.slot_extra.tolist() == [-1, -1, -1, -1, -1, 0, -1, 1]
+    assert layout.num_extra == 2 and layout.tile_lower.tolist() == [0, 1]
+    assert layout.tile_seg_start.tolist() == [0, 4] and layout.tile_seg_end.tolist() == [4, 8]
+
+
+def test_window_layout_pads_each_sequence():
+    layout = window_layout(batch=2, length=10, block=4, device="cpu")
+    assert layout.slot_token.tolist() == list(range(10)) + [-1, -1] + list(range(10)) + [-1, -1]
+    assert layout.tile_batch.tolist() == [0, 0, 0, 1, 1, 1]
+    assert layout.tile_seg_start.tolist() == [0, 0, 0, 12, 12, 12] and layout.tile_seg_end.tolist() == [12] * 3 + [24] * 3
+
+
+def test_explicit_triton_refuses_what_it_cannot_compute():
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    groups = torch.zeros(1, 8, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="backend: .*attn_mask"):
+        focus_attention(q, q, q, groups, backend="triton", attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool,
+                                                                                 device=DEVICE))
+    with pytest.raises(ValueError, match="backend: .*head dims"):
+        focus_attention(q[..., :12], q[..., :12], q[..., :12], groups, backend="triton")
+    with pytest.raises(ValueError, match="backend: .*group ids < 63"):
+        focus_attention(q, q, q, groups + 63, backend="triton")
+    with pytest.raises(ValueError, match="softcap: expected None with backend='dense'"):
+        focus_attention(q, q, q, groups, backend="dense", softcap=3.0)
+
+
+def test_auto_says_what_it_picks():
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    groups = torch.zeros(1, 8, dtype=torch.long, device=DEVICE)
+    name, why = focus_backend(q, q, groups)
+    if DEVICE == "cpu":
+        assert name == "reference" and "CUDA" in why
+    else:
+        assert name == "dense" and "DENSE_BELOW" in why
+    assert focus_backend(q, q, groups, backend="reference") == ("reference", "requested")

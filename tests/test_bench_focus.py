@@ -1,0 +1,126 @@
+"""`sieve bench focus` on the CPU: end to end on tiny sizes, the correctness gate, the group generator, the
+prototype baseline and the CLI help."""
+import json
+
+import pytest
+import torch
+
+from sieve_attn.bench.focus import (BenchConfig, balanced_groups, check_rows, format_length, parse_length,
+                                    prototype_same_group, run, sample_rows)
+from sieve_attn.bench.timing import measure
+from sieve_attn.cli import build_parser, main
+from sieve_attn.ops.focus.attention import focus_attention
+
+TINY = ["--lengths", "256,512", "--groups", "4", "--top-k", "1,2", "--head-dims", "32", "--heads", "2",
+        "--decode-lengths", "512", "--decode-heads", "4/2", "--warmup", "0", "--reps", "1", "--gate-rows", "16",
+        "--baselines", "cudnn,flash,prototype", "--backend", "reference", "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_main_writes_table_json_and_png(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "focus", *TINY, "--backward", "--backward-gate-length", "256", "--out", str(out)]) == 0
+    record = json.loads((out / "bench_focus.json").read_text())
+    assert (out / "speedup_vs_length.png").stat().st_size > 0
+    assert record["settings"]["lengths"] == [256, 512] and record["settings"]["backend"] == "reference"
+    assert {"device", "torch", "triton", "cuda", "cudnn", "commit"} <= set(record["environment"])
+    rows = record["rows"]
+    assert {r["mode"] for r in rows} == {"forward", "forward+backward", "decode"}
+    assert len(rows) == 2 * 2 * 2 + 2  # (forward, backward) x lengths x top-k, then decode x top-k
+    assert all(r["correct"] and r["focus"]["ms"] > 0 and r["focus_backend"] == "reference" for r in rows)
+    # cuDNN (and the prototype, built on it) is not on the CPU: recorded as unavailable, with the reason.
+    forward = rows[0]
+    cudnn = forward["baselines"]["cudnn"]
+    assert cudnn["ms"] is None and "No viable backend" in cudnn["reason"] and forward["speedup"]["cudnn"] is None
+    assert forward["speedup"]["flash"] == pytest.approx(forward["baselines"]["flash"]["ms"] / forward["focus"]["ms"])
+    decode = rows[-1]
+    assert decode["T"] == 512 and decode["heads"] == 4 and decode["kv_heads"] == 2
+    assert decode["baselines"]["sdpa"]["backend"] in ("flash", "efficient", "math")
+    table = capsys.readouterr().out
+    assert "| forward | 512 | 32 | 4 | 2 |" in table and "FAIL" not in table
+
+
+def test_gate_catches_a_wrong_output(capsys):
+    def wrong(q, k, v, groups):
+        out = focus_attention(q, k, v, groups, window=16, backend="reference")
+        out[:, :, -1] += 0.5  # the last row is always among the sampled rows
+        return out
+
+    config = BenchConfig(lengths=(128,), heads=2, head_dims=(32,), group_counts=(4,), top_ks=(1,), window=16,
+                         baselines=("flash",), decode_lengths=(), warmup=0, reps=1, gate_rows=8, device="cpu")
+    row, = run(config, focus_fn=wrong)
+    assert row["correct"] is False and row["gate"]["worst_ratio"] > 1
+    assert row["focus"]["ms"] is None and row["speedup"]["flash"] is None
+    assert row["baselines"]["flash"]["ms"] is not None  # the dense baseline is still measured
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_gate_passes_the_reference_and_fails_a_shifted_window():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 300, 16, dtype=torch.bfloat16) for _ in range(3))
+    groups = balanced_groups(300, 4, 2)
+    rows = sample_rows(300, 32, 16)
+    good = focus_attention(q, k, v, groups, window=32, backend="reference")
+    assert check_rows(good, q, k, v, groups, rows, 32).passed
+    wider = focus_attention(q, k, v, groups, window=40, backend="reference")
+    assert not check_rows(wider, q, k, v, groups, rows, 32).passed
+    poisoned = good.clone()
+    poisoned[0, 1, rows[3]] = float("nan")  # not the first row checked: NaN must not slip through max()
+    result = check_rows(poisoned, q, k, v, groups, rows, 32)
+    assert not result.passed and result.worst_ratio is None
+
+
+def test_balanced_groups_are_balanced_and_distinct():
+    groups = balanced_groups(1003, 8, 3, seed=5)
+    assert groups.shape == (1, 1003, 3) and groups.dtype == torch.long
+    for slot in range(3):
+        counts = torch.bincount(groups[0, :, slot], minlength=8)
+        assert int(counts.max() - counts.min()) <= 1
+    ordered = groups[0].sort(dim=-1).values
+    assert bool((ordered[:, 1:] != ordered[:, :-1]).all())
+    assert not torch.equal(groups, balanced_groups(1003, 8, 3, seed=6))  # random, not a fixed pattern
+    with pytest.raises(ValueError, match="top_k"):
+        balanced_groups(10, 2, 3)
+
+
+def test_prototype_top1_equals_focus_without_window():
+    # With one group per token, same-group attention alone is Focus with window 0 (the diagonal is in-group too).
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    groups = balanced_groups(70, 3, 1)
+    proto = prototype_same_group(q, k, v, groups, 3, backend="math")
+    expected = focus_attention(q, k, v, groups, window=0, backend="reference")
+    torch.testing.assert_close(proto[:, 0].transpose(0, 1)[None], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_measure_on_cpu_reports_median_within_budget():
+    calls = []
+    timing = measure(lambda: calls.append(1), torch.device("cpu"), warmup=2, reps=5, budget_s=10)
+    assert len(calls) == 7 and timing.reps == 5 and timing.ms >= 0 and timing.peak_gb is None
+
+
+def test_lengths_parse_with_units():
+    assert [parse_length(t) for t in ("300", "4K", "1m")] == [300, 4096, 2 ** 20]
+    assert [format_length(t) for t in (300, 4096, 2 ** 20)] == ["300", "4K", "1M"]
+
+
+def test_bench_focus_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "focus", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--lengths", "--head-dims", "--groups", "--top-k", "--backend", "--baselines", "--backward",
+                   "--max-backward-length", "--decode-lengths", "--out"):
+        assert option in text
+
+
+def test_top_k_above_group_count_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--top-k"):
+        main(["bench", "focus", "--groups", "2", "--top-k", "3", "--out", str(tmp_path)])
