@@ -2,11 +2,13 @@
 from .config import FocusConfig
 from .integrations.transformers import compose, load_adapter, reconfigure, save_adapter, set_focus_mode
 from .nn.router import FocusRouter
-from .ops.focus.attention import focus_attention, focus_soft_attention
+from .ops.focus.attention import focus_attention, focus_backend, focus_soft_attention
+from .ops.focus.groups import FocusGroups
 from .ops.sfa.attention import sfa_attention
 from .ops.sfa.codes import sparse_codes
 
 __version__ = "0.1.0"
 
-__all__ = ["FocusConfig", "FocusRouter", "compose", "focus_attention", "focus_soft_attention", "load_adapter",
-           "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention", "sparse_codes"]
+__all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "compose", "focus_attention", "focus_backend",
+           "focus_soft_attention", "load_adapter", "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention",
+           "sparse_codes"]

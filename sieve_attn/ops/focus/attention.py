@@ -20,9 +20,9 @@ from ...config import FOCUS_BACKENDS as BACKENDS
 from .groups import FocusGroups
 from .reference import focus_attention_reference, focus_pair_mask, focus_soft_attention_reference
 
-# Below this many keys, dense SDPA with the pattern as a mask beats the Triton kernels on the H200
-# (benchmarks/results/focus_h200: the layout's fixed cost dominates short sequences).
-DENSE_BELOW = 4096
+# Below this many keys, dense SDPA with the pattern as a mask beats the Triton kernels on the H200: 1.29 vs 1.9 ms
+# at 4K, 2.73 vs 1.80 ms at 8K (benchmarks/results/focus_h200/NOTES.md; the layout's fixed cost dominates there).
+DENSE_BELOW = 8192
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")

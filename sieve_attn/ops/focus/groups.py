@@ -28,7 +28,7 @@ class FocusGroups:
     def of(cls, groups: torch.Tensor, batch: int, length: int, device: torch.device) -> "FocusGroups":
         """Validates ``groups`` ([B, T] or [B, T, m] ints, shape and device as given) with one host sync."""
         if isinstance(groups, FocusGroups):
-            if groups.ids.shape[:2] != (batch, length) or groups.ids.device != device:
+            if groups.ids.shape[:2] != (batch, length) or not _same_device(groups.ids.device, device):
                 fail("groups", f"FocusGroups of B={batch}, T={length} on {device}",
                      f"B={groups.ids.shape[0]}, T={groups.ids.shape[1]} on {groups.ids.device}")
             return groups
@@ -55,6 +55,14 @@ class FocusGroups:
         return self.ids.shape[1]
 
 
+def _same_device(actual: torch.device, expected) -> bool:
+    """``cuda`` names the current CUDA device, as ``cuda:0`` may."""
+    expected = torch.device(expected)
+    if expected.type == "cuda" and expected.index is None:
+        expected = torch.device("cuda", torch.cuda.current_device())
+    return actual == expected
+
+
 def _pad_slots(ids: torch.Tensor, width: int) -> torch.Tensor:
     if ids.shape[2] == width:
         return ids
@@ -72,7 +80,7 @@ def _checked_ids(groups, batch: int, k_len: int, device) -> tuple[torch.Tensor, 
     if groups.shape[0] != batch or groups.shape[1] != k_len:
         fail("groups", f"shape [B, T, ...] with B={batch}, T={k_len} (one entry per key token)",
              f"shape {tuple(groups.shape)}")
-    if groups.device != torch.device(device):
+    if not _same_device(groups.device, device):
         fail("groups", f"a tensor on {device}", groups.device)
     slots = (groups if groups.dim() == 3 else groups[..., None]).long()
     if slots.shape[2] == 0:
