@@ -1,5 +1,5 @@
 """sieve-attn: sparse attention for pretrained and new transformers (Focus token-pair and SFA feature sparsity)."""
-from .config import FocusConfig
+from .config import FocusConfig, SFAConfig
 from .integrations.transformers import compose, load_adapter, reconfigure, save_adapter, set_focus_mode
 from .nn.router import FocusRouter
 from .ops.focus.attention import focus_attention, focus_backend, focus_soft_attention
@@ -9,6 +9,6 @@ from .ops.sfa.codes import sparse_codes
 
 __version__ = "0.1.0"
 
-__all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "compose", "focus_attention", "focus_backend",
+__all__ = ["FocusConfig", "FocusGroups", "SFAConfig", "FocusRouter", "compose", "focus_attention", "focus_backend",
            "focus_soft_attention", "load_adapter", "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention",
            "sparse_codes"]

@@ -11,8 +11,22 @@ FOCUS_BACKENDS = ("auto", "reference", "dense", "triton")
 FOCUS_INFERENCE_FIELDS = ("mode", "backend")
 
 
+class _Serialisable:
+    """to_dict / from_dict of a config dataclass (JSON of adapters and results)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            fail(cls.__name__, f"fields among {sorted(cls.__dataclass_fields__)}", f"unknown {sorted(unknown)}")
+        return cls(**data)
+
+
 @dataclass(frozen=True)
-class FocusConfig:
+class FocusConfig(_Serialisable):
     """Focus router and pattern settings (defaults: the paper's Appendix B, and our measured choices).
 
     num_groups: K centroids per layer. group_dim: d_g, the router's projection width. window: w, local pairs
@@ -59,12 +73,24 @@ class FocusConfig:
         check_choice("mode", self.mode, FOCUS_MODES)
         check_choice("backend", self.backend, FOCUS_BACKENDS)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "FocusConfig":
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            fail("FocusConfig", f"fields among {sorted(cls.__dataclass_fields__)}", f"unknown {sorted(unknown)}")
-        return cls(**data)
+
+SFA_BACKENDS = ("auto", "reference", "triton")
+
+
+@dataclass(frozen=True)
+class SFAConfig(_Serialisable):
+    """Sparse Feature Attention settings (arXiv 2603.22300; DESIGN.md decision 5).
+
+    topk: coordinates of q and k kept per token and head, by largest |x| after RoPE (q per query head, k per KV
+    head); it must not exceed the model's head dim, which :func:`sieve_attn.compose` checks. backend: how the SFA
+    scores are computed (:func:`sieve_attn.sfa_attention`'s ``backend``); with Focus as well, the Focus pattern's
+    backend computes them on the sparsified q and k.
+    """
+
+    topk: int = 16
+    backend: str = "auto"
+
+    def __post_init__(self):
+        check_int("topk", self.topk, 1)
+        check_choice("backend", self.backend, SFA_BACKENDS)

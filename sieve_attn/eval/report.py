@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .._checks import fail
-from ..integrations.transformers import focus_layers, is_composed, set_focus_mode
+from ..integrations.transformers import focus_layers, has_focus, set_focus_mode
 from .perplexity import perplexity
 
 MODES = ("dense", "soft", "hard")
@@ -18,10 +18,10 @@ MODES = ("dense", "soft", "hard")
 def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int = 1,
                    progress: bool = True) -> list[dict]:
     """One PPL row per mode, in order. On a plain model only "dense" applies (the model's own attention); on a
-    composed model each mode is switched to in turn (soft and hard route causally), then the model is left in
+    model composed with Focus each mode is switched to in turn (soft and hard route causally), then the model is left in
     the mode it had."""
     rows = []
-    composed = is_composed(model)
+    composed = has_focus(model)
     previous = model.sieve_config.mode if composed else None
     for mode in modes:
         if composed:

@@ -11,18 +11,20 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .._checks import fail
-from ..config import FOCUS_INFERENCE_FIELDS, FocusConfig
+from ..config import FOCUS_INFERENCE_FIELDS, FocusConfig, SFAConfig
 from ..nn.focus_layer import FocusLayer
+from ..nn.sfa_layer import SFALayer
 
 ATTENTION_NAME = "sieve_focus"
 LAYER_ATTR = "sieve_focus"
+SFA_ATTR = "sieve_sfa"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FORMAT = 1
@@ -35,9 +37,9 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
     ``attention_mask`` is transformers' boolean SDPA mask (True = attend; it already holds causality, padding and
     the layer's own sliding window) or None for plain causal attention.
     """
-    layer = getattr(module, LAYER_ATTR, None)
-    if layer is None:
-        raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} used on a module without Focus; "
+    focus, sfa = getattr(module, LAYER_ATTR, None), getattr(module, SFA_ATTR, None)
+    if focus is None and sfa is None:
+        raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} used on a module without Focus or SFA; "
                            "build the model with sieve_attn.compose")
     if dropout and module.training:
         fail("dropout", "0 (Focus attention has no attention dropout; call model.eval())", dropout)
@@ -45,7 +47,8 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         fail("module", "a causal (decoder) attention module", type(module).__name__)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0  # additive float mask: 0 where attended
-    out = layer.attend(query, key, value, attn_mask=attention_mask, scale=scaling, softcap=softcap)
+    kwargs = dict(attn_mask=attention_mask, scale=scaling, softcap=softcap)
+    out = sfa.attend(query, key, value, focus=focus, **kwargs) if sfa else focus.attend(query, key, value, **kwargs)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -74,8 +77,20 @@ def focus_layers(model: nn.Module) -> Iterator[FocusLayer]:
             yield layer
 
 
-def is_composed(model: nn.Module) -> bool:
+def sfa_layers(model: nn.Module) -> Iterator[SFALayer]:
+    for _, module in attention_modules(model):
+        layer = getattr(module, SFA_ATTR, None)
+        if layer is not None:
+            yield layer
+
+
+def has_focus(model: nn.Module) -> bool:
     return getattr(model, "sieve_config", None) is not None
+
+
+def is_composed(model: nn.Module) -> bool:
+    """Composed with Focus, SFA or both."""
+    return getattr(model, "sieve_config", None) is not None or getattr(model, "sieve_sfa_config", None) is not None
 
 
 def reconfigure(model: nn.Module, **changes) -> nn.Module:
@@ -106,27 +121,49 @@ def _observe_hidden_states(module, args, kwargs):
     getattr(module, LAYER_ATTR).observe(hidden, start)
 
 
-def compose(model: nn.Module, config: FocusConfig) -> nn.Module:
-    """Adds a Focus router to every attention layer of ``model``, freezes every original weight, and routes attention
-    through the ``"sieve_focus"`` attention function. In place; returns the model.
+def _split_configs(configs) -> tuple[Optional[FocusConfig], Optional[SFAConfig]]:
+    focus = [c for c in configs if isinstance(c, FocusConfig)]
+    sfa = [c for c in configs if isinstance(c, SFAConfig)]
+    other = [type(c).__name__ for c in configs if not isinstance(c, (FocusConfig, SFAConfig))]
+    if other or not configs or len(focus) > 1 or len(sfa) > 1:
+        fail("configs", "a FocusConfig, an SFAConfig, or one of each",
+             f"{[type(c).__name__ for c in configs]}" if configs else "nothing")
+    return (focus or [None])[0], (sfa or [None])[0]
 
-    Only the routers are trainable afterwards. The model keeps working with ``generate`` and KV caches.
+
+def _head_dim(model: nn.Module) -> int:
+    text = model.config.get_text_config()
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def compose(model: nn.Module, *configs) -> nn.Module:
+    """Composes ``model`` with a :class:`FocusConfig`, an :class:`SFAConfig`, or both, in place; returns it.
+
+    Focus adds a router to every attention layer; SFA makes every layer's q and k keep their top-k coordinates
+    (after RoPE); with both, SFA scores are computed inside the Focus pattern. Every original weight is frozen (only
+    the routers are trainable; :func:`sieve_attn.train.finetune.finetune` unfreezes what SFA conversion trains), and
+    attention runs through the ``"sieve_focus"`` attention function. The model keeps working with ``generate``
+    and KV caches.
     """
-    if not isinstance(config, FocusConfig):
-        fail("config", "a sieve_attn.FocusConfig", type(config).__name__)
+    focus, sfa = _split_configs(configs)
     if is_composed(model):
         fail("model", "a model not yet composed", "a model already composed (load a fresh model)")
+    if sfa is not None and sfa.topk > _head_dim(model):
+        fail("topk", f"at most the model's head dim {_head_dim(model)}", sfa.topk)
     modules = attention_modules(model)
     hidden_size = model.config.get_text_config().hidden_size
     device = next(model.parameters()).device
     for param in model.parameters():
         param.requires_grad_(False)
     for _, module in modules:
-        module.add_module(LAYER_ATTR, FocusLayer(hidden_size, config).to(device).train(model.training))
-        module.register_forward_pre_hook(_observe_hidden_states, with_kwargs=True)
+        if focus is not None:
+            module.add_module(LAYER_ATTR, FocusLayer(hidden_size, focus).to(device).train(model.training))
+            module.register_forward_pre_hook(_observe_hidden_states, with_kwargs=True)
+        if sfa is not None:
+            module.add_module(SFA_ATTR, SFALayer(sfa))
     _register()
     model.set_attn_implementation(ATTENTION_NAME)
-    model.sieve_config = config
+    model.sieve_config, model.sieve_sfa_config = focus, sfa
     return model
 
 
@@ -160,7 +197,9 @@ def save_adapter(model: nn.Module, directory) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_state(model).items()}
-    config = {"format": ADAPTER_FORMAT, "method": "focus", "focus": model.sieve_config.to_dict(),
+    focus, sfa = model.sieve_config, model.sieve_sfa_config
+    config = {"format": ADAPTER_FORMAT, "method": _method(focus, sfa),
+              "focus": None if focus is None else focus.to_dict(), "sfa": None if sfa is None else sfa.to_dict(),
               "base_model": _model_signature(model)}
     _atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp))
     _atomic_write(directory / ADAPTER_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
@@ -174,7 +213,13 @@ def read_adapter_config(directory) -> dict:
     return json.loads(path.read_text())
 
 
-def _trained_fields(config: FocusConfig) -> dict:
+def _method(focus, sfa) -> str:
+    return "+".join(name for name, config in (("focus", focus), ("sfa", sfa)) if config is not None)
+
+
+def _trained_fields(config: Optional[FocusConfig]) -> Optional[dict]:
+    if config is None:
+        return None
     return {k: v for k, v in config.to_dict().items() if k not in FOCUS_INFERENCE_FIELDS}
 
 
@@ -184,17 +229,19 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
     Refuses, with a ValueError, a model of another type, width or depth, or one composed with another config.
     """
     saved = read_adapter_config(directory)
-    if saved.get("format") != ADAPTER_FORMAT or saved.get("method") != "focus":
-        fail("adapter", f"format {ADAPTER_FORMAT} of method 'focus'",
+    if saved.get("format") != ADAPTER_FORMAT or saved.get("method") not in ("focus", "sfa", "focus+sfa"):
+        fail("adapter", f"format {ADAPTER_FORMAT} of method 'focus', 'sfa' or 'focus+sfa'",
              f"format {saved.get('format')} of method {saved.get('method')!r}")
-    config = FocusConfig.from_dict(saved["focus"])
+    focus = None if saved.get("focus") is None else FocusConfig.from_dict(saved["focus"])
+    sfa = None if saved.get("sfa") is None else SFAConfig.from_dict(saved["sfa"])
     expected, actual = saved["base_model"], _model_signature(model)
     if expected != actual:
         fail("model", f"the model the adapter was trained on {expected}", actual)
     if not is_composed(model):
-        compose(model, config)
-    elif _trained_fields(model.sieve_config) != _trained_fields(config):
-        fail("model", f"a model composed with the adapter's config {config}", model.sieve_config)
+        compose(model, *(c for c in (focus, sfa) if c is not None))
+    elif (_trained_fields(model.sieve_config), model.sieve_sfa_config) != (_trained_fields(focus), sfa):
+        fail("model", f"a model composed with the adapter's configs {focus}, {sfa}",
+             f"{model.sieve_config}, {model.sieve_sfa_config}")
     tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     current = adapter_state(model)
     if set(tensors) != set(current):
@@ -204,5 +251,6 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
         if tensor.shape != current[name].shape:
             fail(f"adapter tensor {name}", f"shape {tuple(current[name].shape)}", tuple(tensor.shape))
     model.load_state_dict(tensors, strict=False)
-    set_focus_mode(model, config.mode)
+    if focus is not None:
+        set_focus_mode(model, focus.mode)
     return model

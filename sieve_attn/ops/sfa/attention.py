@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..._checks import check_attention_call, check_choice, check_int, resolve_scale
+from ..._checks import check_attention_call, check_choice, check_int, check_softcap, resolve_scale
 from .reference import sfa_attention_reference
 
 BACKENDS = ("auto", "reference")
@@ -22,6 +22,7 @@ def sfa_attention(
     topk: int = 16,
     causal: bool = True,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
     backend: str = "auto",
     return_lse: bool = False,
     attn_mask: Optional[torch.Tensor] = None,
@@ -37,6 +38,7 @@ def sfa_attention(
             selects once for its whole group of query heads. topk = D is dense attention.
         causal: only keys at positions <= the query's attend.
         scale: logit scale, default 1/sqrt(D) with D the full head dimension (not 1/sqrt(topk)).
+        softcap: logits become softcap * tanh(logit / softcap) (Gemma-2); a zero-overlap pair still scores 0.
         attn_mask: optional bool [1 or B, 1 or Hq, Tq, Tk], True = may attend (padding); ANDed with causality.
         out: optional contiguous [B, Hq, Tq, D] tensor of q's dtype and device, written in place and returned.
 
@@ -53,5 +55,5 @@ def sfa_attention(
     topk = check_int("topk", topk, 1, q.shape[-1])
     check_choice("backend", backend, BACKENDS)
     out, lse = sfa_attention_reference(q, k, v, topk=topk, causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
-                                       attn_mask=attn_mask, out=out)
+                                       softcap=check_softcap(softcap), attn_mask=attn_mask, out=out)
     return (out, lse.float()) if return_lse else out

@@ -25,6 +25,7 @@ def sfa_attention_reference(
     topk: int,
     causal: bool,
     scale: float,
+    softcap: Optional[float] = None,
     attn_mask: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,5 +37,5 @@ def sfa_attention_reference(
 
     Returns out [B, Hq, Tq, D] (q's dtype; written into ``out`` when given) and lse [B, Hq, Tq].
     """
-    return blockwise_attention(sparsify(q, topk), sparsify(k, topk), v, scale=scale, causal=causal,
+    return blockwise_attention(sparsify(q, topk), sparsify(k, topk), v, scale=scale, causal=causal, softcap=softcap,
                                attn_mask=attn_mask, out=out)

@@ -1,0 +1,157 @@
+"""SFA composed into transformers models, alone and inside the Focus pattern.
+
+Oracle: an uncomposed copy of the same weights running the architecture's own eager attention on q and k whose
+coordinates outside their top-k by |x| were zeroed with ``torch.topk`` (random weights make ties impossible), through
+an attention function registered for the test only; so no package code computes the expected logits.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import sieve_attn as sa
+from sieve_attn.integrations.transformers import sfa_layers
+
+try:
+    from tests.models import ARCHS, eager_copy, random_ids, threads, tiny_model
+except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
+    from models import ARCHS, eager_copy, random_ids, threads, tiny_model
+
+HEAD_DIM = 16  # every tiny config: hidden 64 / 4 heads, or head_dim=16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with threads(1):
+        yield
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+def _topk_only(x: torch.Tensor, topk: int) -> torch.Tensor:
+    kept = torch.zeros_like(x).scatter(-1, x.abs().topk(topk, dim=-1).indices, 1.0)
+    return x * kept
+
+
+def _sfa_oracle(model, topk: int):
+    """Eager copy whose attention sparsifies q and k (after RoPE: the attention function receives them so)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    reference = eager_copy(model)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, _topk_only(query, topk), _topk_only(key, topk), value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_sfa_oracle", attention)
+    AttentionMaskInterface.register("test_sfa_oracle", eager_mask)
+    reference.set_attn_implementation("test_sfa_oracle")
+    return reference
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sfa_matches_the_eager_oracle(arch):
+    model = tiny_model(arch)
+    oracle = _sfa_oracle(model, 4)
+    ids = random_ids()
+    sa.compose(model, sa.SFAConfig(topk=4))
+    expected = _logits(oracle, ids)
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-5)
+    assert (expected - _logits(eager_copy(model), ids)).abs().max() > 1e-2  # top-4 of 16 is not dense
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_full_topk_is_the_original_model(arch):
+    model = tiny_model(arch)
+    expected = _logits(eager_copy(model), random_ids())
+    sa.compose(model, sa.SFAConfig(topk=HEAD_DIM))
+    torch.testing.assert_close(_logits(model, random_ids()), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+def test_sfa_generation_with_cache_equals_recomputation_and_is_causal(arch):
+    model = tiny_model(arch)
+    sa.compose(model, sa.SFAConfig(topk=4))
+    prompt = random_ids(2, 20, seed=7)
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    full = _logits(model, out.sequences[:, :-1])
+    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1:], rtol=0, atol=1e-5)
+    changed = out.sequences.clone()
+    changed[:, -3:] = (changed[:, -3:] + 1) % 100
+    torch.testing.assert_close(_logits(model, changed)[:, :-3], _logits(model, out.sequences)[:, :-3], rtol=0,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_focus_and_sfa_together(arch):
+    """SFA inside a degenerate Focus pattern (top_k = K: every pair) is SFA alone; inside a sparse one it differs."""
+    ids = random_ids()
+    alone = sa.compose(tiny_model(arch), sa.SFAConfig(topk=4))
+    torch.manual_seed(0)
+    both = sa.compose(tiny_model(arch), sa.FocusConfig(num_groups=4, window=4, top_k=4), sa.SFAConfig(topk=4))
+    torch.testing.assert_close(_logits(both, ids), _logits(alone, ids), rtol=0, atol=1e-5)
+    sa.reconfigure(both, top_k=1)
+    assert (_logits(both, ids) - _logits(alone, ids)).abs().max() > 1e-2
+
+
+def test_focus_and_sfa_through_the_triton_kernels_equal_the_reference():
+    """The fast path of Focus + SFA: the Focus kernels on the sparsified q and k (Triton interpreter on the CPU)."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, top_k=2, backend="triton"),
+                       sa.SFAConfig(topk=4))
+    ids = random_ids(1, 24)
+    fast = _logits(model, ids)
+    sa.reconfigure(model, backend="reference")
+    torch.testing.assert_close(fast, _logits(model, ids), rtol=0, atol=1e-4)
+
+
+def test_adapter_round_trip_and_refusal(tmp_path):
+    torch.manual_seed(0)
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, top_k=1), sa.SFAConfig(topk=4))
+    sa.save_adapter(model, tmp_path)
+    ids = random_ids()
+    loaded = sa.load_adapter(tiny_model("llama"), tmp_path)
+    assert loaded.sieve_sfa_config == sa.SFAConfig(topk=4)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=0)
+    other = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, top_k=1), sa.SFAConfig(topk=8))
+    with pytest.raises(ValueError, match="model: expected a model composed with the adapter's configs"):
+        sa.load_adapter(other, tmp_path)
+
+
+def _matching_terms(topk: int) -> list[torch.Tensor]:
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=topk))
+    model.requires_grad_(True)  # as conversion fine-tuning does
+    layers = list(sfa_layers(model))
+    for layer in layers:
+        layer.matching = True
+    model(random_ids())
+    return [t for layer in layers for t in layer.matching_terms]
+
+
+def test_matching_terms_measure_the_distance_to_dense():
+    """One term per layer and forward pass, differentiable (towards the stop-gradient dense output), zero when SFA
+    keeps every coordinate."""
+    terms = _matching_terms(4)
+    assert len(terms) == 2 and all(t.item() > 1e-4 and t.requires_grad for t in terms)
+    assert all(t.item() < 1e-10 for t in _matching_terms(HEAD_DIM))
+
+
+@pytest.mark.parametrize("configs, message", [
+    ((), "configs: expected a FocusConfig, an SFAConfig, or one of each"),
+    ((sa.SFAConfig(topk=2), sa.SFAConfig(topk=3)), "configs: expected"),
+    ((sa.SFAConfig(topk=17),), "topk: expected at most the model's head dim 16, got 17"),
+])
+def test_compose_refuses_bad_configs(configs, message):
+    with pytest.raises(ValueError, match=message):
+        sa.compose(tiny_model("llama"), *configs)
+    with pytest.raises(ValueError, match="topk: expected an int in \\[1"):
+        sa.SFAConfig(topk=0)
