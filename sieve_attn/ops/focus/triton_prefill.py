@@ -100,6 +100,17 @@ def _rows(base, tok, stride_t, offs_d):
 
 
 @triton.jit
+def _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, start, LAYOUT: tl.constexpr, BLOCK: tl.constexpr):
+    """The sub-tile of BLOCK slots at ``start``: (layout tile, sequence, lower-group bits, token indices, the
+    sequence's bit-set row, the tokens' bit sets)."""
+    tile = start // LAYOUT
+    b = tl.load(TILE_BATCH + tile).to(tl.int64)
+    tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK))
+    bits_row = BITS + b * s_bits
+    return tile, b, tl.load(TILE_LOWER + tile), tok, bits_row, tl.load(bits_row + tl.maximum(tok, 0))
+
+
+@triton.jit
 def _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS_ROW, lower, lo, hi, s_kt, s_vt,
                window, scale, softcap, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -161,14 +172,10 @@ def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, T
                 HAS_INIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     q_start = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
-    tile = q_start // LAYOUT
-    b = tl.load(TILE_BATCH + tile).to(tl.int64)
-    lower = tl.load(TILE_LOWER + tile)
+    tile, b, lower, q_tok, bits_row, q_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, q_start,
+                                                           LAYOUT, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_slots = q_start + tl.arange(0, BLOCK_M)
-    q_tok = tl.load(SLOT_TOKEN + q_slots)
-    bits_row = BITS + b * s_bits
-    q_bits = tl.load(bits_row + tl.maximum(q_tok, 0))
     q = _rows(Q + b * s_qb + head * s_qh, q_tok, s_qt, offs_d)
     k_base = K + b * s_kb + (head // GQA) * s_kh
     v_base = V + b * s_vb + (head // GQA) * s_vh
@@ -244,13 +251,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BITS, SLOT_TOKEN, TILE_BATCH, TI
                    IEEE: tl.constexpr):
     q_start = tl.program_id(0) * BLOCK
     head = tl.program_id(1)
-    tile = q_start // LAYOUT
-    b = tl.load(TILE_BATCH + tile).to(tl.int64)
-    lower = tl.load(TILE_LOWER + tile)
+    tile, b, lower, q_tok, bits_row, q_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, q_start,
+                                                           LAYOUT, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_tok = tl.load(SLOT_TOKEN + q_start + tl.arange(0, BLOCK))
-    bits_row = BITS + b * s_bits
-    q_bits = tl.load(bits_row + tl.maximum(q_tok, 0))
     q = _rows(Q + b * s_qb + head * s_qh, q_tok, s_qt, offs_d)
     do = _rows(DO + b * s_db + head * s_dh, q_tok, s_dt, offs_d)
     row_stats = b * (num_heads * length) + head * length + tl.maximum(q_tok, 0)
@@ -310,13 +313,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, BITS, SLOT_TOKEN, TILE_BAT
                      IEEE: tl.constexpr):
     k_start = tl.program_id(0) * BLOCK
     kv_head = tl.program_id(1)
-    tile = k_start // LAYOUT
-    b = tl.load(TILE_BATCH + tile).to(tl.int64)
-    lower = tl.load(TILE_LOWER + tile)
+    tile, b, lower, k_tok, bits_row, k_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, k_start,
+                                                           LAYOUT, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_tok = tl.load(SLOT_TOKEN + k_start + tl.arange(0, BLOCK))
-    bits_row = BITS + b * s_bits
-    k_bits = tl.load(bits_row + tl.maximum(k_tok, 0))
     k = _rows(K + b * s_kb + kv_head * s_kh, k_tok, s_kt, offs_d)
     v = _rows(V + b * s_vb + kv_head * s_vh, k_tok, s_vt, offs_d)
 
