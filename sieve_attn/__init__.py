@@ -5,10 +5,12 @@ from .nn.router import FocusRouter
 from .ops.focus.attention import focus_attention, focus_backend, focus_soft_attention
 from .ops.focus.groups import FocusGroups
 from .ops.sfa.attention import sfa_attention
+from .ops.sfa.cache import SFAKeyCache, dense_bytes_per_token
 from .ops.sfa.codes import sparse_codes
+from .ops.sfa.decode import sfa_decode
 
 __version__ = "0.1.0"
 
-__all__ = ["FocusConfig", "FocusGroups", "SFAConfig", "FocusRouter", "compose", "focus_attention", "focus_backend",
-           "focus_soft_attention", "load_adapter", "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention",
-           "sparse_codes"]
+__all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "SFAConfig", "SFAKeyCache", "compose", "dense_bytes_per_token",
+           "focus_attention", "focus_backend", "focus_soft_attention", "load_adapter", "reconfigure", "save_adapter",
+           "set_focus_mode", "sfa_attention", "sfa_decode", "sparse_codes"]

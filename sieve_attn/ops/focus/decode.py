@@ -18,7 +18,8 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from ..triton_common import dot, is_interpreted, softmax_finish, softmax_step, tanh
 
 # Split-K targets this many programs per SM: several resident programs hide each other's load latency, and chunks
 # that finish early (fewer attended keys) leave no SM idle for long. 8 measured best on an H200 (4 and 16 slower).
@@ -33,28 +34,6 @@ _MAX_BLOCK_M = 64
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 3
 # Chunks merged per step of the merge kernel.
 _MERGE_CHUNKS = 16
-
-
-@triton.jit
-def _tanh(x):
-    # Not every backend's tl has tanh. Cephes' tanhf: an odd polynomial near 0, where the exponential form would
-    # cancel, and (1 - e^-2|x|) / (1 + e^-2|x|) elsewhere (never overflows). Within 3 ulp of float32.
-    z = x * x
-    near_zero = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
-                 - 3.33332819422e-1) * z * x + x
-    e = tl.exp(-2.0 * tl.abs(x))
-    far = (1.0 - e) / (1.0 + e)
-    return tl.where(tl.abs(x) < 0.625, near_zero, tl.where(x < 0, -far, far))
-
-
-@triton.jit
-def _dot(a, b, NATIVE: tl.constexpr):
-    # The interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584), so there 16-bit
-    # operands go through float32 instead: products of 16-bit values are exact in float32 either way and both paths
-    # accumulate in float32, so they compute the same thing. Float32 inputs get exact (not tf32) products.
-    if NATIVE:
-        return tl.dot(a, b)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -103,32 +82,14 @@ def _focus_decode_chunk(
         needed = tl.max(pair.to(tl.int32), axis=0) > 0  # [BLOCK_N]: some row of this program attends the key
         k = tl.load(k_head + n[:, None] * stride_kt + d[None, :] * stride_kd, mask=needed[:, None], other=0.0)
         v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=needed[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), NATIVE_DOT) * scale
+        s = dot(q, tl.trans(k), NATIVE_DOT) * scale
         if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = tl.where(pair, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() away from -inf - -inf
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_high = p.to(v.dtype)
-        pv = _dot(p_high, v, NATIVE_DOT)
-        if v.dtype != tl.float32:
-            # P as the sum of two 16-bit halves: one more MMA (about 13% of the time at D = 128 on an H200) makes
-            # P @ V float32-accurate. P rounded once to 16 bits, as FlashAttention does, errs about as much as the
-            # output's own rounding and measured just past twice a float32 reference's error in float16.
-            pv += _dot((p - p_high.to(tl.float32)).to(v.dtype), v, NATIVE_DOT)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            s = softcap * tanh(s / softcap)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, tl.where(pair, s, float("-inf")), v, NATIVE_DOT)
 
-    # l_i >= 1 for a row with an attended key (its maximum contributes exp(0)) and 0 otherwise, so clamping at 1
-    # changes only the empty rows, which get output 0 and log-sum-exp -inf.
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    lse = tl.where(l_i > 0, m_safe + tl.log(tl.maximum(l_i, 1.0)), float("-inf"))
+    out, lse = softmax_finish(acc, l_i, m_i)
     out_row = (pid_bh.to(tl.int64) * rows + r) * num_chunks + chunk
     tl.store(LSE + out_row, lse, mask=row_ok)
-    out = acc / tl.maximum(l_i, 1.0)[:, None]
     tl.store(O + out_row[:, None] * HEAD_DIM + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -155,7 +116,7 @@ def _focus_decode_merge(O_PART, LSE_PART, O, LSE, num_chunks,
     tl.store(O + row * HEAD_DIM + d, (acc / tl.maximum(total, 1.0)).to(O.dtype.element_ty))
 
 
-_INTERPRETED = isinstance(_focus_decode_chunk, InterpretedFunction)
+_INTERPRETED = is_interpreted(_focus_decode_chunk)
 
 
 def _split(programs: int, k_len: int, block_n: int, sms: int) -> tuple[int, int]:

@@ -19,7 +19,6 @@ token indices, so nothing is gathered into a copy either.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..merge import merge_extra_partials
+from ..triton_common import dot, tanh
 from .layout import group_layout, window_layout
 
 # Running maximum of an empty row: finite, so exp2(m_old - m_new) never computes inf - inf.
@@ -73,23 +73,13 @@ def _pair_mask(q_tok, k_tok, q_bits, k_bits, lower, window, WINDOW_SET: tl.const
 
 
 @triton.jit
-def _logits(dot, scale, softcap, SOFTCAP: tl.constexpr):
-    """(logits in log2 units, d logit / d raw logit) for raw dot products; softcap uses tanh = 2 sigmoid(2x) - 1."""
-    raw = dot * scale
+def _logits(products, scale, softcap, SOFTCAP: tl.constexpr):
+    """(logits in log2 units, d logit / d raw logit) for the dot products q.k of a tile."""
+    raw = products * scale
     if SOFTCAP:
-        t = 2.0 * tl.sigmoid(2.0 * raw / softcap) - 1.0
+        t = tanh(raw / softcap)
         return softcap * t * 1.4426950408889634, 1.0 - t * t
     return raw * 1.4426950408889634, 1.0
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b accumulated in float32. IEEE: exact float32 products (operands already rounded to their dtype, so a
-    bfloat16 product is the same as the tensor cores'); used for float32 inputs, where tf32 would lose precision the
-    caller asked for, and in the interpreter, whose bfloat16 dot is wrong (Triton 3.9)."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -114,13 +104,13 @@ def _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, start, LAYOUT
 def _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS_ROW, lower, lo, hi, s_kt, s_vt,
                window, scale, softcap, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
-               IEEE: tl.constexpr):
+               NATIVE: tl.constexpr):
     """Online-softmax steps over key slots [lo, hi); unmasked steps hold real keys that every query attends."""
     for start in range(lo, hi, BLOCK_N):
         k_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK_N))
         k = _rows(k_base, k_tok, s_kt, offs_d)
         v = _rows(v_base, k_tok, s_vt, offs_d)
-        s, _ = _logits(_dot(q, tl.trans(k), IEEE), scale, softcap, SOFTCAP)
+        s, _ = _logits(dot(q, tl.trans(k), NATIVE), scale, softcap, SOFTCAP)
         if MASKED:
             k_bits = tl.load(BITS_ROW + tl.maximum(k_tok, 0))
             allowed = _pair_mask(q_tok[:, None], k_tok[None, :], q_bits[:, None], k_bits[None, :], lower, window,
@@ -130,7 +120,7 @@ def _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, NATIVE)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -169,7 +159,7 @@ def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, T
                 s_bits, num_heads, length, window, scale, softcap,
                 GQA: tl.constexpr, HEAD_DIM: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr,
-                HAS_INIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+                HAS_INIT: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr):
     q_start = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     tile, b, lower, q_tok, bits_row, q_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, q_start,
@@ -198,14 +188,14 @@ def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, T
     if WINDOW_SET or MULTI or not CAUSAL:
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
                                    lo, hi, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK_N, True,
-                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
     else:  # keys before the sub-tile are earlier real members of the group: no mask
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
                                    lo, q_start, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK_N, False,
-                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
                                    q_start, hi, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK_N, True,
-                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+                                   WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -225,20 +215,20 @@ def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, T
 def _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS_ROW, lower, lo, hi, s_kt,
               s_vt, window, scale, softcap, offs_d, BLOCK: tl.constexpr, MASKED: tl.constexpr,
               WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
-              IEEE: tl.constexpr):
+              NATIVE: tl.constexpr):
     for start in range(lo, hi, BLOCK):
         k_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK))
         k = _rows(k_base, k_tok, s_kt, offs_d)
         v = _rows(v_base, k_tok, s_vt, offs_d)
-        s, dcap = _logits(_dot(q, tl.trans(k), IEEE), scale, softcap, SOFTCAP)
+        s, dcap = _logits(dot(q, tl.trans(k), NATIVE), scale, softcap, SOFTCAP)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
             k_bits = tl.load(BITS_ROW + tl.maximum(k_tok, 0))
             allowed = _pair_mask(q_tok[:, None], k_tok[None, :], q_bits[:, None], k_bits[None, :], lower, window,
                                  WINDOW_SET, CAUSAL, MULTI)
             p = tl.where(allowed, p, 0.0)
-        ds = p * (_dot(do, tl.trans(v), IEEE) - delta[:, None]) * dcap
-        dq += _dot(ds.to(k.dtype), k, IEEE)
+        ds = p * (dot(do, tl.trans(v), NATIVE) - delta[:, None]) * dcap
+        dq += dot(ds.to(k.dtype), k, NATIVE)
     return dq
 
 
@@ -248,7 +238,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BITS, SLOT_TOKEN, TILE_BATCH, TI
                    s_bits, num_heads, length, window, scale, softcap,
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, LAYOUT: tl.constexpr, BLOCK: tl.constexpr,
                    WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   NATIVE: tl.constexpr):
     q_start = tl.program_id(0) * BLOCK
     head = tl.program_id(1)
     tile, b, lower, q_tok, bits_row, q_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, q_start,
@@ -267,14 +257,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BITS, SLOT_TOKEN, TILE_BATCH, TI
     if WINDOW_SET or MULTI or not CAUSAL:
         dq = _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower, lo, hi,
                        s_kt, s_vt, window, scale, softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL, MULTI,
-                       SOFTCAP, IEEE)
+                       SOFTCAP, NATIVE)
     else:
         dq = _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower, lo,
                        q_start, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK, False, WINDOW_SET, CAUSAL,
-                       MULTI, SOFTCAP, IEEE)
+                       MULTI, SOFTCAP, NATIVE)
         dq = _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
                        q_start, hi, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL,
-                       MULTI, SOFTCAP, IEEE)
+                       MULTI, SOFTCAP, NATIVE)
     ptrs = DQ + b * s_qb + head * s_qh + tl.maximum(q_tok, 0).to(tl.int64)[:, None] * s_qt + offs_d[None, :]
     tl.atomic_add(ptrs, dq * scale, mask=(q_tok >= 0)[:, None])
 
@@ -283,7 +273,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BITS, SLOT_TOKEN, TILE_BATCH, TI
 def _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE_ROW, DELTA_ROW, SLOT_TOKEN, BITS_ROW, lower, lo, hi,
                 s_qt, s_dt, window, scale, softcap, offs_d, BLOCK: tl.constexpr, MASKED: tl.constexpr,
                 WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
-                IEEE: tl.constexpr):
+                NATIVE: tl.constexpr):
     """Steps over query slots [lo, hi); padding queries load q = dO = 0 and contribute nothing unmasked."""
     for start in range(lo, hi, BLOCK):
         q_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK))
@@ -291,16 +281,16 @@ def _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE_ROW, DELTA_ROW
         do = _rows(do_base, q_tok, s_dt, offs_d)
         lse = tl.load(LSE_ROW + tl.maximum(q_tok, 0), mask=q_tok >= 0, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA_ROW + tl.maximum(q_tok, 0), mask=q_tok >= 0, other=0.0)
-        s_t, dcap_t = _logits(_dot(k, tl.trans(q), IEEE), scale, softcap, SOFTCAP)  # [keys, queries]
+        s_t, dcap_t = _logits(dot(k, tl.trans(q), NATIVE), scale, softcap, SOFTCAP)  # [keys, queries]
         p_t = tl.exp2(s_t - lse[None, :])
         if MASKED:
             q_bits = tl.load(BITS_ROW + tl.maximum(q_tok, 0))
             allowed = _pair_mask(q_tok[None, :], k_tok[:, None], q_bits[None, :], k_bits[:, None], lower, window,
                                  WINDOW_SET, CAUSAL, MULTI)
             p_t = tl.where(allowed, p_t, 0.0)
-        dv += _dot(p_t.to(do.dtype), do, IEEE)
-        ds_t = p_t * (_dot(v, tl.trans(do), IEEE) - delta[None, :]) * dcap_t
-        dk += _dot(ds_t.to(q.dtype), q, IEEE)
+        dv += dot(p_t.to(do.dtype), do, NATIVE)
+        ds_t = p_t * (dot(v, tl.trans(do), NATIVE) - delta[None, :]) * dcap_t
+        dk += dot(ds_t.to(q.dtype), q, NATIVE)
     return dk, dv
 
 
@@ -310,7 +300,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, BITS, SLOT_TOKEN, TILE_BAT
                      s_bits, num_heads, length, window, scale, softcap,
                      GQA: tl.constexpr, HEAD_DIM: tl.constexpr, LAYOUT: tl.constexpr, BLOCK: tl.constexpr,
                      WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     NATIVE: tl.constexpr):
     k_start = tl.program_id(0) * BLOCK
     kv_head = tl.program_id(1)
     tile, b, lower, k_tok, bits_row, k_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, k_start,
@@ -330,14 +320,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, BITS, SLOT_TOKEN, TILE_BAT
         if WINDOW_SET or MULTI or not CAUSAL:
             dk, dv = _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE + stats, DELTA + stats,
                                  SLOT_TOKEN, bits_row, lower, lo, hi, s_qt, s_dt, window, scale, softcap, offs_d,
-                                 BLOCK, True, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+                                 BLOCK, True, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
         else:  # queries after the sub-tile are later members of the group: no mask
             dk, dv = _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE + stats, DELTA + stats,
                                  SLOT_TOKEN, bits_row, lower, lo, k_start + BLOCK, s_qt, s_dt, window, scale,
-                                 softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+                                 softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
             dk, dv = _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE + stats, DELTA + stats,
                                  SLOT_TOKEN, bits_row, lower, k_start + BLOCK, hi, s_qt, s_dt, window, scale,
-                                 softcap, offs_d, BLOCK, False, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, IEEE)
+                                 softcap, offs_d, BLOCK, False, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
     rows = tl.maximum(k_tok, 0).to(tl.int64)[:, None] * s_kt + offs_d[None, :]
     valid = (k_tok >= 0)[:, None]
     tl.atomic_add(DK + b * s_kb + kv_head * s_kh + rows, dk * scale, mask=valid)
@@ -371,7 +361,7 @@ class _Pattern:
     def meta(self, q, window_set, multi):
         return dict(GQA=q.shape[1] // self.kv_heads, HEAD_DIM=q.shape[3], LAYOUT=self.tiles.layout,
                     WINDOW_SET=window_set, CAUSAL=self.causal, MULTI=multi, SOFTCAP=self.softcap is not None,
-                    IEEE=q.dtype == torch.float32 or q.device.type != "cuda")
+                    NATIVE=q.dtype != torch.float32 and q.device.type == "cuda")
 
     def scalars(self, q):
         return (self.bits.stride(0), q.shape[1], q.shape[2], self.window, self.scale, self.softcap or 1.0)

@@ -1,0 +1,166 @@
+"""Compressed key cache of SFA for decoding: each cached key is stored as its ``topk`` (index, value) pairs.
+
+SFA attends with the sparsified keys only (:mod:`.codes`), so a decode step never needs a cached key's other
+coordinates: per token and KV head the cache keeps ``topk`` coordinate indices (uint8 for D <= 256) and ``topk``
+values in the model dtype, and the dense V row. With D = 128, topk = 16 and bfloat16 that is 16 + 32 + 256 = 304
+bytes against 512 for a dense K+V cache (59.375%); :meth:`SFAKeyCache.bytes_per_token` measures it from the tensors
+actually allocated.
+
+One cache holds one layer. Its tensors are preallocated for ``capacity`` tokens and, when an append does not fit,
+replaced by tensors of twice the capacity (the filled part copied over), so n appends cost O(n) copies in all.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..._checks import FLOAT_DTYPES, check_int, check_no_nan, fail
+from .codes import index_dtype, sparse_codes
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if dtype not in FLOAT_DTYPES:
+        fail("dtype", "torch.float16, bfloat16, float32 or float64", dtype)
+    return dtype
+
+
+def dense_bytes_per_token(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token of one KV head in a dense K+V cache of ``dtype``: 2 * head_dim elements."""
+    return 2 * check_int("head_dim", head_dim, 1) * _check_dtype(dtype).itemsize
+
+
+class SFAKeyCache:
+    """KV cache of one layer with compressed keys: [B, Hkv, T, topk] (index, value) pairs per key, dense V.
+
+    Args:
+        batch, kv_heads, head_dim: B, Hkv and D of the keys and values it will hold.
+        topk: int in [1, D], coordinates kept per key (the SFA ``topk`` of the layer).
+        dtype: float16, bfloat16, float32 or float64: dtype of the key values and of V (the model dtype).
+        device: where the tensors live.
+        capacity: tokens allocated at first (>= 1); doubled whenever an append does not fit.
+
+    Keys enter through :meth:`append` (dense keys, coded here with :func:`.codes.sparse_codes`, the rule every SFA
+    path shares) or :meth:`append_codes` (codes computed by the caller). Both take the new tokens of every sequence
+    of the batch at once, so all sequences have the same length.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, *, topk: int, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", capacity: int = 256):
+        self.batch = check_int("batch", batch, 1)
+        self.kv_heads = check_int("kv_heads", kv_heads, 1)
+        self.head_dim = check_int("head_dim", head_dim, 1)
+        self.topk = check_int("topk", topk, 1, head_dim)
+        self.dtype = _check_dtype(dtype)
+        self.index_dtype = index_dtype(head_dim)
+        self.length = 0
+        self._indices, self._values, self._v = self._allocate(check_int("capacity", capacity, 1), device)
+        self.device = self._v.device  # normalised ("cuda" -> "cuda:0"), to compare with the inputs' devices
+
+    def _allocate(self, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Uninitialised (indices, key values, V) for ``capacity`` tokens."""
+        codes_shape = (self.batch, self.kv_heads, capacity, self.topk)
+        return (torch.empty(codes_shape, dtype=self.index_dtype, device=device),
+                torch.empty(codes_shape, dtype=self.dtype, device=device),
+                torch.empty(self.batch, self.kv_heads, capacity, self.head_dim, dtype=self.dtype, device=device))
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the allocated tensors hold."""
+        return self._v.shape[2]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the cached keys: indices [B, Hkv, length, topk] (:attr:`index_dtype`) and values
+        [B, Hkv, length, topk] (:attr:`dtype`). The key at position j is ``densify(indices[..., j, :],
+        values[..., j, :], D)``. The views alias the cache until it grows."""
+        return self._indices[:, :, :self.length], self._values[:, :, :self.length]
+
+    def values(self) -> torch.Tensor:
+        """View of the cached dense V [B, Hkv, length, D]; aliases the cache until it grows."""
+        return self._v[:, :, :self.length]
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the storages this cache holds (indices, key values and V, unused capacity included), measured
+        with ``untyped_storage().nbytes()``."""
+        return sum(t.untyped_storage().nbytes() for t in (self._indices, self._values, self._v))
+
+    def bytes_per_token(self) -> float:
+        """Measured bytes per token slot and KV head: allocated_bytes() / (B * Hkv * capacity). Compare with
+        :func:`dense_bytes_per_token` (head_dim, dtype)."""
+        return self.allocated_bytes() / (self.batch * self.kv_heads * self.capacity)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Adds Tnew tokens: k and v [B, Hkv, Tnew, D] (Tnew >= 1) in the cache's dtype and device, k after RoPE.
+        k is stored as its ``sparse_codes(k, topk)``, v as is."""
+        self._check_tokens("k", k, self.head_dim, "head dim", self.dtype)
+        self._check_tokens("v", v, self.head_dim, "head dim", self.dtype)
+        if v.shape != k.shape:
+            fail("v", f"the shape of k {tuple(k.shape)}", f"shape {tuple(v.shape)}")
+        # Top-k of a NaN is unspecified, and a NaN in V would reach every later output: refuse them here, once
+        # per token, so that decode steps need not re-read the cache.
+        check_no_nan(k=k, v=v)
+        indices, values = sparse_codes(k, self.topk)
+        self._write(indices, values, v)
+
+    def append_codes(self, indices: torch.Tensor, values: torch.Tensor, v: torch.Tensor) -> None:
+        """Adds Tnew tokens whose key codes the caller computed: indices [B, Hkv, Tnew, topk] in
+        :attr:`index_dtype`, distinct coordinates in [0, D) per key; values [B, Hkv, Tnew, topk] and v
+        [B, Hkv, Tnew, D] in the cache's dtype. Decoding is exact over whatever codes are stored; codes from
+        :func:`.codes.sparse_codes` (k, topk) make it SFA of k."""
+        self._check_tokens("indices", indices, self.topk, "topk", self.index_dtype)
+        self._check_tokens("values", values, self.topk, "topk", self.dtype)
+        self._check_tokens("v", v, self.head_dim, "head dim", self.dtype)
+        if values.shape != indices.shape:
+            fail("values", f"the shape of indices {tuple(indices.shape)}", f"shape {tuple(values.shape)}")
+        if v.shape[2] != indices.shape[2]:
+            fail("v", f"{indices.shape[2]} tokens (those of indices)", v.shape[2])
+        self._check_coordinates(indices)
+        check_no_nan(values=values, v=v)
+        self._write(indices, values, v)
+
+    def _check_tokens(self, name: str, t, last_dim: int, last_name: str, dtype: torch.dtype) -> None:
+        """t must be a [B, Hkv, Tnew >= 1, last_dim] tensor of ``dtype`` on the cache's device; ``last_name`` says
+        what last_dim is (head dim or topk)."""
+        if not isinstance(t, torch.Tensor):
+            fail(name, "a torch.Tensor", type(t).__name__)
+        ok = t.dim() == 4 and (t.shape[0], t.shape[1], t.shape[3]) == (self.batch, self.kv_heads, last_dim)
+        if not ok or t.shape[2] == 0:
+            fail(name, f"shape [{self.batch}, {self.kv_heads}, Tnew >= 1, {last_dim}] (the cache's batch, KV heads "
+                       f"and {last_name})", f"shape {tuple(t.shape)}")
+        if t.dtype != dtype:
+            fail(name, f"dtype {dtype} (the cache's)", t.dtype)
+        if t.device != self.device:
+            fail(name, f"a tensor on {self.device} (the cache's device)", t.device)
+
+    def _check_coordinates(self, indices: torch.Tensor) -> None:
+        """Every index in [0, D), distinct within each key: with a repeated coordinate, densify's scatter and the
+        kernel's selects would each keep one of its values, not necessarily the same one."""
+        wide = indices.long()
+        low, high = wide.min().item(), wide.max().item()
+        if low < 0 or high >= self.head_dim:
+            fail("indices", f"coordinates in [0, {self.head_dim})", f"values in [{low}, {high}]")
+        ordered = wide.sort(dim=-1).values
+        if (ordered[..., 1:] == ordered[..., :-1]).any().item():
+            fail("indices", "distinct coordinates within each key", "a repeated coordinate")
+
+    def _write(self, indices: torch.Tensor, values: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores checked codes and V of Tnew tokens after the filled part, growing first if they do not fit."""
+        new = v.shape[2]
+        if self.length + new > self.capacity:
+            self._grow(self.length + new)
+        stop = self.length + new
+        self._indices[:, :, self.length:stop] = indices
+        self._values[:, :, self.length:stop] = values.detach()
+        self._v[:, :, self.length:stop] = v.detach()
+        self.length = stop
+
+    def _grow(self, needed: int) -> None:
+        """Doubles the capacity until ``needed`` tokens fit, copying the filled part."""
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        grown = self._allocate(capacity, self.device)
+        for new, old in zip(grown, (self._indices, self._values, self._v)):
+            new[:, :, :self.length] = old[:, :, :self.length]
+        self._indices, self._values, self._v = grown

@@ -1,0 +1,274 @@
+"""SFA decode step: a few new queries against the compressed key cache (:class:`.cache.SFAKeyCache`).
+
+The queries are sparsified per query head with the rule every SFA path shares (:mod:`.codes`); the score of a query
+and a cached key is ``scale * sum over the coordinates both keep of q~_u * k~_u``, then causal softmax and P.V with
+the dense cached V: exactly :func:`.reference.sfa_attention_reference` (q, K, V, causal=True) where K are the dense
+keys the cache was built from. Two backends compute it:
+
+- ``reference``: plain PyTorch. Densifies the cached keys one block at a time (never the whole cache) and runs an
+  online softmax over the blocks.
+- ``triton``: flash-decoding split-K. The keys are cut into chunks; one program takes one (batch, KV head, chunk) and
+  every query row of that KV head (its Hq // Hkv query heads times the Tq queries), so the cache is read once per KV
+  head. Per tile of BLOCK_N keys it loads the tile's topk (index, value) pairs and V rows, rebuilds the dense key
+  tile in registers (topk compare-selects into a zero [BLOCK_N, D] tile), takes the scores with one dot against the
+  zero-filled queries, and keeps an online softmax in float32. Each chunk leaves a partial (output, log-sum-exp);
+  PyTorch merges the chunks by log-sum-exp. Bytes read per cached token and KV head: topk * (1 + element size) for
+  the key and D * element size for V, against 2 * D * element size for dense attention.
+
+Block sizes, warps and the split are not tuned on a GPU yet (the values follow the Focus decode kernel).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..._checks import check_choice, check_no_nan, fail, resolve_scale
+from ...config import SFA_BACKENDS
+from ..triton_common import dot, is_interpreted, jit, softmax_finish, softmax_step, triton
+from .cache import SFAKeyCache
+from .codes import densify, sparsify
+
+if triton is not None:
+    import triton.language as tl
+
+
+# Split-K aims at this many programs per SM, so that resident programs hide each other's load latency.
+_PROGRAMS_PER_SM = 8
+# Without a GPU (the Triton interpreter) chunking follows an H200, so CPU tests see the GPU's split.
+_DEFAULT_SMS = 132
+# Query rows per program; more rows (GQA group times queries) are split across programs.
+_MAX_BLOCK_M = 64
+_BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
+# Elements of one densified key block (and of one score block) in the reference: 16 MiB in float32.
+_BLOCK_ELEMENTS = 2 ** 22
+
+
+@jit
+def _sfa_decode_chunk(
+    Q, IDX, VAL, V, O, LSE,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_ib, stride_ih, stride_it, stride_ik,
+    stride_kb, stride_kh, stride_kt, stride_kk,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
+    HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+):
+    """Grid (B * Hkv, chunks, row blocks). Q: the zero-filled sparse queries [B, Hq, Tq, D]; IDX, VAL: the cached key
+    codes [B, Hkv, Tk, TOPK]; V [B, Hkv, Tk, D]. Writes each row's output over the chunk's keys (normalised over
+    them) and its log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (float32, contiguous)."""
+    pid_bh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = (pid_bh // kv_heads).to(tl.int64)
+    kv_head = (pid_bh % kv_heads).to(tl.int64)
+    rows = group * q_len
+    r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r is query i = r % Tq of head r // Tq in the group
+    row_ok = r < rows
+    q_head = kv_head * group + r // q_len
+    i = r % q_len
+    q_pos = k_len - q_len + i
+    d = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(Q + b * stride_qb + q_head[:, None] * stride_qh + i[:, None] * stride_qt + d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    idx_head = IDX + b * stride_ib + kv_head * stride_ih
+    val_head = VAL + b * stride_kb + kv_head * stride_kh
+    v_head = V + b * stride_vb + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    start = chunk * chunk_keys
+    stop = tl.minimum(start + chunk_keys, k_len)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = n < stop
+        # Rebuild the dense keys: each (index, value) pair lands at its coordinate; the indices of a key are
+        # distinct, so a select (not a sum) places them, and a key past the cache end stays 0.
+        k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        for t in tl.static_range(TOPK):
+            coord = tl.load(idx_head + n * stride_it + t * stride_ik, mask=key_ok, other=0).to(tl.int32)
+            value = tl.load(val_head + n * stride_kt + t * stride_kk, mask=key_ok, other=0.0).to(tl.float32)
+            k = tl.where(d[None, :] == coord[:, None], value[:, None], k)
+        v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
+        # k holds values of q's dtype, so casting back is exact.
+        s = dot(q, tl.trans(k.to(q.dtype)), NATIVE_DOT) * scale
+        s = tl.where(row_ok[:, None] & key_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, NATIVE_DOT)
+
+    # A row may have no key in this chunk (a query before the chunk's keys): output 0 and log-sum-exp -inf.
+    out, lse = softmax_finish(acc, l_i, m_i)
+    out_row = (pid_bh.to(tl.int64) * rows + r) * num_chunks + chunk
+    tl.store(LSE + out_row, lse, mask=row_ok)
+    tl.store(O + out_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+
+
+_INTERPRETED = triton is not None and is_interpreted(_sfa_decode_chunk)
+
+
+def sfa_decode(q: torch.Tensor, cache: SFAKeyCache, *, scale: float | None = None,
+               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """SFA attention of the newest Tq tokens' queries against every cached token (a decode step).
+
+    Args:
+        q: [B, Hq, Tq, D] after RoPE, in the cache's dtype and device, Hq a multiple of the cache's Hkv (query head h
+            reads KV head h // (Hq // Hkv)), 1 <= Tq <= len(cache). Append the new tokens' keys and values to the
+            cache first: query i sits at cache position len(cache) - Tq + i and attends positions <= its own.
+        cache: the layer's :class:`.cache.SFAKeyCache`; q is sparsified with its ``topk``.
+        scale: logit scale, default 1/sqrt(D) (the full head dim, not 1/sqrt(topk)).
+        backend: "reference" (PyTorch), "triton" (CUDA, or the interpreter with TRITON_INTERPRET=1; float16,
+            bfloat16 or float32, D a power of two in [16, 256]) or "auto" (triton on CUDA when it can, else the
+            reference).
+
+    Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32, natural log), equal to
+    ``sfa_attention_reference(q, K, V, topk=cache.topk, causal=True, scale=scale)`` with K the dense keys the cache
+    was built from and V its values.
+    """
+    _check_decode_call(q, cache)
+    scale = resolve_scale(scale, q.shape[-1])
+    if _resolve_backend(q, backend) == "reference":
+        out, lse = sfa_decode_reference(q, cache, scale=scale)
+        return out, lse.float()
+    return sfa_decode_triton(q, cache, scale=scale)
+
+
+def _check_decode_call(q, cache) -> None:
+    """q must fit the cache: layout, dtype, device, batch, head dim, a head count the cache's divides, Tq in
+    [1, len(cache)], no NaN."""
+    if not isinstance(cache, SFAKeyCache):
+        fail("cache", "an SFAKeyCache", type(cache).__name__)
+    if not isinstance(q, torch.Tensor):
+        fail("q", "a torch.Tensor [B, Hq, Tq, D]", type(q).__name__)
+    if q.dim() != 4:
+        fail("q", "a 4-d tensor [B, Hq, Tq, D]", f"shape {tuple(q.shape)}")
+    batch, q_heads, q_len, head_dim = q.shape
+    if cache.dtype != q.dtype:
+        fail("cache", f"a cache of q's dtype {q.dtype}", cache.dtype)
+    if cache.device != q.device:
+        fail("cache", f"a cache on q's device {q.device}", cache.device)
+    if cache.batch != batch:
+        fail("cache", f"a cache of q's batch size {batch}", cache.batch)
+    if cache.head_dim != head_dim:
+        fail("cache", f"a cache of q's head dim {head_dim}", cache.head_dim)
+    if q_heads % cache.kv_heads != 0:
+        fail("q", f"a number of query heads divisible by the cache's {cache.kv_heads} KV heads", q_heads)
+    if q_len == 0:
+        fail("q", "at least one query token", 0)
+    if q_len > cache.length:
+        fail("cache", f"at least {q_len} cached tokens (q's Tq; append the new tokens before decoding)",
+             cache.length)
+    check_no_nan(q=q)
+
+
+def _triton_blocker(q: torch.Tensor) -> str | None:
+    """Why the Triton kernel cannot compute this call, or None when it can."""
+    if triton is None:
+        return "triton is not installed"
+    if q.device.type != "cuda" and not _INTERPRETED:
+        return (f"the Triton kernel runs on CUDA devices (or with TRITON_INTERPRET=1 set before import), q is on "
+                f"{q.device}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the Triton kernel takes float16, bfloat16 or float32, q is {q.dtype}"
+    head_dim = q.shape[-1]
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"the Triton kernel takes head dims that are powers of two in [16, 256], got {head_dim}"
+    return None
+
+
+def _resolve_backend(q: torch.Tensor, backend: str) -> str:
+    check_choice("backend", backend, SFA_BACKENDS)
+    if backend == "reference":
+        return "reference"
+    blocker = _triton_blocker(q)
+    if backend == "triton" and blocker:
+        fail("backend", "a call the Triton kernel can compute ('triton')", blocker)
+    return "triton" if backend == "triton" or (blocker is None and q.device.type == "cuda") else "reference"
+
+
+def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,
+                         block_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch :func:`sfa_decode` (arguments already checked), in float32 or wider.
+
+    The cached keys are densified ``block_keys`` at a time (default: about 2**22 elements per block), so memory is
+    O(block) beyond the cache, never a dense K of the whole cache; an online softmax carries the blocks.
+
+    Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32, or float64 for float64 q).
+    """
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, k_len = cache.kv_heads, cache.length
+    group = q_heads // kv_heads
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    if block_keys is None:
+        block_keys = max(16, _BLOCK_ELEMENTS // (batch * kv_heads * max(head_dim, group * q_len)))
+    qg = sparsify(q, cache.topk).to(compute_dtype).reshape(batch, kv_heads, group, q_len, head_dim)
+    indices, values = cache.keys()
+    v = cache.values()
+    q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
+
+    m = torch.full((batch, kv_heads, group, q_len), float("-inf"), dtype=compute_dtype, device=q.device)
+    total = torch.zeros_like(m)
+    acc = torch.zeros(batch, kv_heads, group, q_len, head_dim, dtype=compute_dtype, device=q.device)
+    for start in range(0, k_len, block_keys):
+        stop = min(start + block_keys, k_len)
+        keys = densify(indices[:, :, start:stop], values[:, :, start:stop], head_dim).to(compute_dtype)
+        scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys) * scale
+        k_pos = torch.arange(start, stop, device=q.device)
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        # The first block holds key 0, which every query attends, so m_new is finite from the first block on.
+        m_new = torch.maximum(m, scores.amax(dim=-1))
+        probs = torch.exp(scores - m_new[..., None])
+        alpha = torch.exp(m - m_new)
+        total = total * alpha + probs.sum(dim=-1)
+        acc = acc * alpha[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", probs, v[:, :, start:stop].to(compute_dtype))
+        m = m_new
+    out = (acc / total[..., None]).to(q.dtype).reshape(batch, q_heads, q_len, head_dim)
+    return out, (m + torch.log(total)).reshape(batch, q_heads, q_len)
+
+
+def _split(programs: int, k_len: int, sms: int) -> tuple[int, int]:
+    """(keys per chunk, chunks): about ``_PROGRAMS_PER_SM * sms`` programs in all, each chunk a whole number of
+    tiles. ``programs``: programs per chunk index (B * Hkv * row blocks)."""
+    tiles = triton.cdiv(k_len, _BLOCK_N)
+    chunks = max(1, min(tiles, triton.cdiv(_PROGRAMS_PER_SM * sms, programs)))
+    tiles_per_chunk = triton.cdiv(tiles, chunks)
+    return tiles_per_chunk * _BLOCK_N, triton.cdiv(tiles, tiles_per_chunk)
+
+
+def _merge_chunks(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """part_out [..., C, D] (each chunk normalised over its own keys) and part_lse [..., C] -> out [..., D] and
+    lse [...]: lse = logsumexp_c(lse_c), out = sum_c exp(lse_c - lse) out_c. A chunk without attended keys has
+    lse_c = -inf and weight 0; every query attends key 0, so lse is finite."""
+    lse = torch.logsumexp(part_lse, dim=-1)
+    weight = torch.exp(part_lse - lse[..., None])
+    return (weight[..., None] * part_out).sum(dim=-2), lse
+
+
+def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`sfa_decode` (arguments already checked, ``_triton_blocker(q)`` None).
+
+    Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32). Products and accumulation are as accurate
+    as float32 for every input dtype."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, k_len = cache.kv_heads, cache.length
+    group = q_heads // kv_heads
+    rows = group * q_len
+    block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))  # tl.dot needs 16 rows
+    row_blocks = triton.cdiv(rows, block_m)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else _DEFAULT_SMS
+    chunk_keys, chunks = _split(batch * kv_heads * row_blocks, k_len, sms)
+
+    q_sparse = sparsify(q, cache.topk)
+    indices, values = cache.keys()
+    v = cache.values()
+    part_out = torch.empty(batch, q_heads, q_len, chunks, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, q_heads, q_len, chunks, dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _sfa_decode_chunk[(batch * kv_heads, chunks, row_blocks)](
+            q_sparse, indices, values, v, part_out, part_lse,
+            *q_sparse.stride(), *indices.stride(), *values.stride(), *v.stride(),
+            kv_heads, group, q_len, k_len, scale, chunk_keys, chunks,
+            HEAD_DIM=head_dim, TOPK=cache.topk, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    out, lse = _merge_chunks(part_out, part_lse)
+    return out.to(q.dtype), lse

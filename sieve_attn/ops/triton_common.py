@@ -1,0 +1,73 @@
+"""Triton building blocks shared by the attention kernels (Focus prefill and decode, SFA decode).
+
+triton is optional (the "dev" extra; CUDA builds of torch bring it): without it this module still imports, ``jit``
+returns the plain function and no kernel is ever launched.
+"""
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def jit(fn):
+    """triton.jit, or the plain function when triton is missing."""
+    return fn if triton is None else triton.jit(fn)
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether ``kernel`` runs in the Triton interpreter (TRITON_INTERPRET=1 when it was defined)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(kernel, InterpretedFunction)
+
+
+@jit
+def dot(a, b, NATIVE: tl.constexpr):
+    """a @ b accumulated in float32. NATIVE: tl.dot on the operands as they are (tensor cores). Otherwise exact
+    float32 products: for float32 inputs, where tf32 would lose the precision asked for, and in the interpreter,
+    whose 16-bit tl.dot multiplies bit patterns (triton-lang/triton#11584); products of 16-bit values are exact in
+    float32, so both paths compute the same thing."""
+    if NATIVE:
+        return tl.dot(a, b)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@jit
+def tanh(x):
+    # Not every backend's tl has tanh. Cephes' tanhf: an odd polynomial near 0, where the exponential form would
+    # cancel, and (1 - e^-2|x|) / (1 + e^-2|x|) elsewhere (never overflows). About 1 ulp of float32.
+    z = x * x
+    near_zero = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+                 - 3.33332819422e-1) * z * x + x
+    e = tl.exp(-2.0 * tl.abs(x))
+    far = (1.0 - e) / (1.0 + e)
+    return tl.where(tl.abs(x) < 0.625, near_zero, tl.where(x < 0, -far, far))
+
+
+@jit
+def softmax_step(acc, l_i, m_i, s, v, NATIVE: tl.constexpr):
+    """One online-softmax step of decode kernels: masked logits s [M, N] (natural units, -inf = not attended) and
+    values v [N, D] update (acc [M, D], l_i [M], m_i [M]). With 16-bit V, P enters P @ V as the sum of two 16-bit
+    halves: one more MMA makes P @ V float32-accurate, where P rounded once to 16 bits errs about as much as the
+    output's own rounding (just past twice a float32 reference's error in float16)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() away from -inf - -inf
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p_high = p.to(v.dtype)
+    pv = dot(p_high, v, NATIVE)
+    if v.dtype != tl.float32:
+        pv += dot((p - p_high.to(tl.float32)).to(v.dtype), v, NATIVE)
+    return acc * alpha[:, None] + pv, l_i, m_new
+
+
+@jit
+def softmax_finish(acc, l_i, m_i):
+    """(output [M, D], log-sum-exp [M]) of an online softmax. l_i >= 1 for a row with an attended key (its maximum
+    contributes exp(0)) and 0 otherwise, so clamping at 1 changes only the empty rows: output 0, log-sum-exp -inf."""
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(l_i > 0, m_safe + tl.log(tl.maximum(l_i, 1.0)), float("-inf"))
+    return acc / tl.maximum(l_i, 1.0)[:, None], lse
