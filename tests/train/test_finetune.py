@@ -1,0 +1,71 @@
+"""Fine-tuning: SFA conversion with the output-matching term, the plain dense baseline, checkpoints and weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sieve_attn as sa
+from sieve_attn.train.finetune import FinetuneSettings, finetune, load_weights
+
+try:
+    from tests.models import random_ids, threads, tiny_model
+except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
+    from models import random_ids, threads, tiny_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with threads(1):
+        yield
+
+
+def _windows():
+    return random_ids(6, 24, seed=5)
+
+
+def _sfa_history(tmp_path, weight: float):
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    settings = FinetuneSettings(steps=12, lr=3e-3, warmup=2, batch_size=2, matching_weight=weight)
+    history = finetune(model, _windows(), tmp_path / str(weight), settings, progress=False)["history"]
+    assert not any(p.requires_grad for p in model.parameters())  # frozen again afterwards
+    return history
+
+
+def test_sfa_conversion_lowers_the_loss_and_the_matching_weight_pulls_towards_dense(tmp_path):
+    free, matched = _sfa_history(tmp_path, 0.0), _sfa_history(tmp_path, 50.0)
+    assert [m for _, _, m in free] == [None] * 12 and all(m is not None for _, _, m in matched)
+    assert free[-1][1] < free[0][1] and matched[-1][1] < matched[0][1]
+    assert matched[-1][2] < matched[0][2]  # the term it optimises falls
+
+
+def test_dense_baseline_has_no_matching_term(tmp_path):
+    result = finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(steps=3, warmup=1),
+                      progress=False)
+    assert [matching for _, _, matching in result["history"]] == [None] * 3
+
+
+def test_resume_equals_an_uninterrupted_run_and_weights_reload(tmp_path):
+    settings = FinetuneSettings(steps=4, lr=3e-3, warmup=1, checkpoint_every=2, batch_size=2)
+    whole = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    finetune(whole, _windows(), tmp_path / "whole", settings, progress=False)
+    parted = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    finetune(parted, _windows(), tmp_path / "parted", FinetuneSettings(**{**settings.__dict__, "steps": 2}),
+             progress=False)
+    resumed = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    result = finetune(resumed, _windows(), tmp_path / "parted", settings, resume=True, progress=False)
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    fresh = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    load_weights(fresh, result["weights"])
+    ids = random_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, whole(ids).logits, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="weights: expected the"):
+        load_weights(tiny_model("gpt2"), result["weights"])
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="matching_weight: expected a number >= 0"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(matching_weight=-1))
+    with pytest.raises(ValueError, match="windows: expected token ids"):
+        finetune(tiny_model("llama"), _windows()[0], tmp_path)
