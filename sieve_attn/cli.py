@@ -43,11 +43,11 @@ def _focus_args(parser: argparse.ArgumentParser, **defaults) -> None:
                             f"inference routing ({d.train_routing})")
 
 
-def _train_args(parser: argparse.ArgumentParser, steps: int) -> None:
-    group = parser.add_argument_group("training (router only)")
+def _train_args(parser: argparse.ArgumentParser, steps: int, lr: float = 1e-2) -> None:
+    group = parser.add_argument_group("training")
     group.add_argument("--steps", type=int, default=steps, help=f"optimizer steps ({steps})")
     group.add_argument("--batch-size", type=int, default=1, help="windows per step (1)")
-    group.add_argument("--lr", type=float, default=1e-2, help="AdamW peak learning rate (1e-2)")
+    group.add_argument("--lr", type=float, default=lr, help=f"AdamW peak learning rate ({lr:g})")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--checkpoint-every", type=int, default=10, help="steps between atomic checkpoints (10)")
     group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -83,11 +83,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     retro = sub.add_parser("retrofit", help="train Focus routers on a frozen model",
                            description="Composes Focus into the model, trains only the routers with the LM loss, "
-                                       "checkpoints atomically (--resume continues) and saves OUT/adapter.")
+                                       "checkpoints atomically (--resume continues) and saves OUT/adapter. Runs on "
+                                       "several processes when started by `accelerate launch` or `torchrun` (the "
+                                       "routers' random start follows --seed): each takes an equal share of every "
+                                       "batch (--batch-size must be a multiple of the number of processes), the "
+                                       "frozen model is replicated, or sharded with an FSDP2 launch configuration, "
+                                       "and rank 0 writes the checkpoints and the adapter.")
     _model_args(retro)
+    retro.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                       help="dtype of the frozen model's weights (float32); the routers always train in float32")
     _focus_args(retro)
     _train_args(retro, steps=200)
     retro.add_argument("--out", type=Path, default=DEFAULT_OUT / "retrofit", help="output folder (runs/retrofit)")
+
+    tune = sub.add_parser(
+        "finetune", help="convert a dense model to SFA by fine-tuning it (or fine-tune it dense: the baseline)",
+        description="--method sfa composes SFA (q and k keep their --topk largest-|x| coordinates, after RoPE) and "
+                    "fine-tunes every weight with the LM loss plus --matching-weight times the output-matching term "
+                    "(the mean squared difference between each layer's SFA output and its stop-gradient dense "
+                    "output); --method dense fine-tunes the plain model on the same data, the baseline to compare "
+                    "with. Held-out perplexity (causal) is measured before and after. Writes OUT/model.safetensors "
+                    "(the weights), OUT/adapter (the SFA config) and OUT/result.json; checkpoints atomically "
+                    "(--resume continues).")
+    _model_args(tune)
+    tune.add_argument("--method", choices=("sfa", "dense"), default="sfa", help="sfa (default) or dense")
+    tune.add_argument("--topk", type=int, default=16, help="SFA: coordinates of q and k kept (16)")
+    tune.add_argument("--matching-weight", type=float, default=1.0,
+                      help="SFA: weight of the output-matching term (1.0; 0 turns it off)")
+    _train_args(tune, steps=100, lr=5e-5)
+    _eval_args(tune, windows=6)
+    tune.add_argument("--out", type=Path, default=DEFAULT_OUT / "finetune", help="output folder (runs/finetune)")
 
     ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="eval_command", required=True,
                                                                          metavar="WHAT")
@@ -153,9 +178,17 @@ def _train(model, tokenizer, args) -> dict:
 
 
 def cmd_retrofit(args) -> int:
-    model, tokenizer = _setup(args)
+    from .train.distributed import finish, is_main, load_for_training
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
+    model, tokenizer = load_for_training(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    torch.manual_seed(args.seed)  # the routers' random start: the same in every process and every run
     result = _train(model, tokenizer, args)
-    print(f"adapter saved to {result['adapter']}; final loss {result['history'][-1][1]:.4f}")
+    if is_main():
+        print(f"adapter saved to {result['adapter']}; final loss {result['history'][-1][1]:.4f}")
+    finish()
     return 0
 
 
@@ -212,6 +245,35 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_finetune(args) -> int:
+    from . import SFAConfig, compose, save_adapter
+    from .eval.perplexity import perplexity
+    from .eval.report import environment, write_json
+    from .train.finetune import FinetuneSettings, finetune
+
+    started = time.time()
+    model, tokenizer = _setup(args)
+    if args.method == "sfa":
+        compose(model, SFAConfig(topk=args.topk))
+    held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
+    before = perplexity(model, held_out, desc="before")
+    windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
+    settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight)
+    result = finetune(model, windows, args.out, settings, resume=args.resume)
+    after = perplexity(model, held_out, desc="after")
+    if args.method == "sfa":
+        save_adapter(model, args.out / "adapter")
+    record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
+              "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
+              "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
+              "history": result["history"], "seconds": round(time.time() - started), "environment": environment()}
+    write_json(record, args.out / "result.json")
+    print(f"{args.method}{'' if args.method == 'dense' else f' top-{args.topk}'}: held-out PPL "
+          f"{before['ppl']:.3f} before, {after['ppl']:.3f} after {args.steps} steps; wrote {args.out / 'result.json'}")
+    return 0
+
+
 def cmd_bench_focus(args) -> int:
     from .bench.focus import main as bench_focus
 
@@ -226,6 +288,8 @@ def main(argv=None) -> int:
         return cmd_retrofit(args)
     if args.command == "bench":
         return cmd_bench_focus(args)
+    if args.command == "finetune":
+        return cmd_finetune(args)
     return cmd_eval_ppl(args)
 
 

@@ -71,3 +71,39 @@ def softmax_finish(acc, l_i, m_i):
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(l_i > 0, m_safe + tl.log(tl.maximum(l_i, 1.0)), float("-inf"))
     return acc / tl.maximum(l_i, 1.0)[:, None], lse
+
+
+def kernel_blocker(q, attn_mask=None):
+    """Why this package's Triton kernels cannot take ``q`` [..., D] (device, dtype, head dim) or a padding mask, or
+    None when they can. Pure Python: callable without triton."""
+    import os
+
+    import torch
+
+    if triton is None:
+        return "triton is not installed"
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the Triton kernels run on CUDA devices (or with TRITON_INTERPRET=1), q is on {q.device}"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the Triton kernels take float16, bfloat16 or float32, q is {q.dtype}"
+    head_dim = q.shape[-1]
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"the Triton kernels take head dims that are powers of two in [16, 256], got {head_dim}"
+    if attn_mask is not None:
+        return "the Triton kernels take no attn_mask (padding); the reference does"
+    return None
+
+
+def choose_backend(backend: str, q, blocker) -> str:
+    """"triton" or "reference" for a requested ``backend`` among auto / reference / triton (already validated):
+    auto takes the kernels on CUDA when nothing blocks them; an explicit "triton" that is blocked raises
+    ValueError with the reason."""
+    from .._checks import fail
+
+    if backend == "reference":
+        return "reference"
+    if backend == "triton":
+        if blocker:
+            fail("backend", "a call the Triton kernels can compute ('triton')", blocker)
+        return "triton"
+    return "triton" if blocker is None and q.device.type == "cuda" else "reference"

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from .._checks import check_int, check_positive_float, fail
 from ..integrations.transformers import adapter_state, focus_layers, is_composed, save_adapter, set_focus_mode
+from . import distributed
 from .checkpoint import load_checkpoint, save_checkpoint
 
 CHECKPOINT = "checkpoint.pt"
@@ -33,6 +34,71 @@ def _lr_at(step: int, settings: RetrofitSettings) -> float:
     return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def _check_arguments(model, windows: torch.Tensor, settings: RetrofitSettings) -> None:
+    """ValueError unless the settings are valid, the windows are [N >= 1, T] and only Focus routers can train."""
+    check_int("steps", settings.steps, 1)
+    check_int("batch_size", settings.batch_size, 1)
+    check_positive_float("lr", settings.lr)
+    if not is_composed(model):
+        fail("model", "a model composed with sieve_attn.compose", "a plain model")
+    if windows.dim() != 2 or len(windows) == 0:
+        fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
+    routers = {id(p) for layer in focus_layers(model) for p in layer.parameters()}
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    others = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in routers]
+    if not trainable or others:
+        fail("model", "trainable parameters that are all Focus router parameters", others[:3] or "none trainable")
+
+
+def _router_parameters(model) -> list[torch.nn.Parameter]:
+    """The trainable router parameters, layer by layer: the order of ``model.named_parameters()``, which the
+    optimizer state in checkpoints follows, found from the modules (activation checkpointing renames the layers)."""
+    return [p for layer in focus_layers(model) for p in layer.parameters() if p.requires_grad]
+
+
+def _load_routers(model, routers: dict[str, torch.Tensor]) -> None:
+    """Copies a checkpoint's router tensors into the model's own, through the state-dict views ``adapter_state``
+    returns (also right when FSDP shards the base or activation checkpointing renames the layers)."""
+    current = adapter_state(model)
+    if set(routers) != set(current):
+        fail("checkpoint", f"the {len(current)} router tensors of this model",
+             f"missing {sorted(set(current) - set(routers))[:3]}, unexpected {sorted(set(routers) - set(current))[:3]}")
+    for name, tensor in routers.items():
+        if tensor.shape != current[name].shape:
+            fail(f"checkpoint tensor {name}", f"shape {tuple(current[name].shape)}", tuple(tensor.shape))
+    with torch.no_grad():
+        for name, tensor in routers.items():
+            current[name].copy_(tensor)
+
+
+def _router_buffers(model) -> list[torch.Tensor]:
+    return [buffer for layer in focus_layers(model) for buffer in layer.buffers()]
+
+
+def _copy(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    for target, value in zip(targets, values):
+        target.copy_(value)
+
+
+def _train_step(model, batch: torch.Tensor, optimizer, trainable, runtime) -> float:
+    """One optimizer step on this process's share of a global batch; returns the loss of the global batch."""
+    buffers = _router_buffers(model)
+    before = [buffer.clone() for buffer in buffers]
+    loss = model(batch, labels=batch, use_cache=False).loss
+    after = [buffer.clone() for buffer in buffers]
+    # Activation checkpointing runs each layer's forward again in backward, router included, which updates the
+    # running group biases again. Backward starts from the biases the forward started from, so a recomputation sees
+    # and does exactly what the forward did; then the forward's result is put back.
+    _copy(buffers, before)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    _copy(buffers, after)
+    runtime.average_([p.grad for p in trainable if p.grad is not None])
+    runtime.average_(buffers)  # each process updated them from its own share of the batch
+    optimizer.step()
+    return runtime.mean(loss)
+
+
 def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings | None = None, *,
              resume: bool = False, progress: bool = True) -> dict:
     """Trains the Focus routers of a composed ``model`` on token windows [N, T] with the LM loss.
@@ -41,36 +107,37 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     Every ``checkpoint_every`` steps and at the end, ``out_dir/checkpoint.pt`` is written atomically (routers,
     optimizer, step, loss history); ``resume=True`` continues from it. The trained adapter goes to
     ``out_dir/adapter``. Returns {"steps", "history" (list of (step, loss)), "adapter"}.
+
+    Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
+    same arguments: each trains on its share of every global batch (``batch_size`` must be a multiple of the number of
+    processes), router gradients are averaged, the history holds the mean loss over processes, and rank 0 alone
+    writes checkpoints and the adapter and shows progress. With an FSDP launch configuration the frozen base is
+    sharded in place. The rules are in :mod:`sieve_attn.train.distributed`.
     """
     settings = settings or RetrofitSettings()
-    check_int("steps", settings.steps, 1)
-    check_int("batch_size", settings.batch_size, 1)
-    check_positive_float("lr", settings.lr)
-    if not is_composed(model):
-        fail("model", "a model composed with sieve_attn.compose", "a plain model")
-    if windows.dim() != 2 or len(windows) == 0:
-        fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
-    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    router_names = set(adapter_state(model))
-    if not trainable or not set(trainable) <= router_names:
-        fail("model", "trainable parameters that are all Focus router parameters",
-             sorted(set(trainable) - router_names)[:3] or "none trainable")
+    _check_arguments(model, windows, settings)
+    runtime = distributed.runtime(settings.batch_size)
+    runtime.place(model)
+    trainable = _router_parameters(model)  # after placing: moving the routers may have replaced them
     out_dir = Path(out_dir)
     device = next(model.parameters()).device
     inference_mode = model.sieve_config.mode
-    optimizer = torch.optim.AdamW(trainable.values(), lr=settings.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=0.0)
     start, history = 0, []
     state = load_checkpoint(out_dir / CHECKPOINT) if resume else None
     if state is not None:
-        model.load_state_dict(state["routers"], strict=False)
+        _load_routers(model, state["routers"])
         optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
 
     def checkpoint(step):
-        save_checkpoint({"step": step, "routers": adapter_state(model), "optimizer": optimizer.state_dict(),
-                         "history": history, "settings": asdict(settings)},
-                        out_dir / CHECKPOINT)
+        if runtime.is_main:
+            save_checkpoint({"step": step, "routers": adapter_state(model), "optimizer": optimizer.state_dict(),
+                             "history": history, "settings": asdict(settings)},
+                            out_dir / CHECKPOINT)
+        # A rank that fails later must not let the launcher stop rank 0 in the middle of this write.
+        runtime.wait()
 
     model.eval()
     set_focus_mode(model, "train")
@@ -78,17 +145,13 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
         layer.router.train()
     try:
         bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc="retrofit",
-                   disable=not progress)
+                   disable=not (progress and runtime.is_main))
         for step in bar:
             picks = [(step * settings.batch_size + i) % len(windows) for i in range(settings.batch_size)]
-            batch = windows[order[picks]].to(device)
+            batch = windows[order[runtime.share(picks)]].to(device)
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, settings)
-            loss = model(batch, labels=batch, use_cache=False).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            history.append((step + 1, loss.item()))
+            history.append((step + 1, _train_step(model, batch, optimizer, trainable, runtime)))
             bar.set_postfix(loss=f"{history[-1][1]:.3f}")
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
                 checkpoint(step + 1)
@@ -96,5 +159,8 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
         for layer in focus_layers(model):
             layer.router.eval()
         set_focus_mode(model, inference_mode)
-    adapter = save_adapter(model, out_dir / "adapter")
+    adapter = out_dir / "adapter"
+    if runtime.is_main:
+        save_adapter(model, adapter)
+    runtime.wait()  # the adapter is on disk when any process returns
     return {"steps": settings.steps, "history": history, "adapter": str(adapter)}

@@ -20,9 +20,10 @@ from sieve_attn.ops.sfa.cache import SFAKeyCache, dense_bytes_per_token  # noqa:
 from sieve_attn.ops.sfa.codes import densify, sparse_codes  # noqa: E402
 from sieve_attn.ops.sfa.decode import sfa_decode, sfa_decode_reference  # noqa: E402
 from sieve_attn.ops.sfa.reference import sfa_attention_reference  # noqa: E402
+from sieve_attn.ops.triton_common import kernel_blocker  # noqa: E402
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-KERNEL_BLOCKER = decode_module._triton_blocker(torch.empty(1, 1, 1, 32, device=DEVICE))
+KERNEL_BLOCKER = kernel_blocker(torch.empty(1, 1, 1, 32, device=DEVICE))
 
 
 def measured_dense_bytes_per_token(batch, kv_heads, capacity, head_dim, dtype):

@@ -387,7 +387,7 @@ BAD_CALLS = {
     "k dtype differs": (call(k=k0.double(), topk=4), ("k",)),
     "v dtype differs": (call(v=v0.half(), topk=4), ("v",)),
     "NaN in k": (call(k=k0.clone().index_fill_(2, torch.tensor([3]), float("nan")), topk=4), ("k",)),
-    "backend unknown": (call(topk=4, backend="triton"), ("backend",)),
+    "backend unknown": (call(topk=4, backend="nope"), ("backend",)),
     "scale negative": (call(topk=4, scale=-1.0), ("scale",)),
     "attn_mask float": (call(topk=4, attn_mask=torch.ones(B, 1, T, T)), ("attn_mask",)),
     "out wrong dtype": (call(topk=4, out=torch.empty(B, HQ, T, D, dtype=F64)), ("out",)),

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 import sieve_attn as sa
-from sieve_attn.integrations.transformers import attention_modules
+from sieve_attn.integrations.transformers import adapter_state, attention_modules
 from sieve_attn.nn.router import FocusRouter
 from sieve_attn.train.checkpoint import load_checkpoint, save_checkpoint
 from sieve_attn.train.retrofit import RetrofitSettings, retrofit
@@ -174,3 +174,32 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 def test_retrofit_refuses_a_plain_model(tmp_path):
     with pytest.raises(ValueError, match="model"):
         retrofit(tiny_model("llama"), _windows(), tmp_path, RetrofitSettings(steps=1), progress=False)
+
+
+def test_resume_refuses_a_checkpoint_of_other_routers(tmp_path):
+    retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=1, **dict(SETTINGS, checkpoint_every=1)),
+             progress=False)
+    wider = sa.compose(tiny_model("llama", seed=0), sa.FocusConfig(num_groups=8, window=4, top_k=2))
+    with pytest.raises(ValueError, match="checkpoint tensor .*centroids: expected shape \\(8, 16\\), got \\(4, 16\\)"):
+        retrofit(wider, _windows(), tmp_path, RetrofitSettings(steps=2, **SETTINGS), resume=True, progress=False)
+
+
+@pytest.mark.parametrize("routing", ["sinkhorn", "causal"])
+def test_activation_checkpointing_trains_the_same_routers(tmp_path, routing):
+    """Recomputing each layer's forward in backward (as FSDP's activation checkpointing does) runs the routers again:
+    their running group biases must still be updated once per step, and the causal routing must see the same ones."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = sa.FocusConfig(num_groups=4, window=4, top_k=2, train_routing=routing)
+    plain, wrapped = (sa.compose(tiny_model("llama", seed=0), config) for _ in range(2))
+    wrapped.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(wrapped, check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
+    settings = RetrofitSettings(steps=3, **SETTINGS)
+    a = retrofit(plain, _windows(), tmp_path / "plain", settings, progress=False)["history"]
+    b = retrofit(wrapped, _windows(), tmp_path / "wrapped", settings, progress=False)["history"]
+    assert [loss for _, loss in b] == pytest.approx([loss for _, loss in a], abs=1e-6, rel=0)
+    ta, tb = adapter_state(plain), adapter_state(wrapped)  # state_dict keys: the wrappers' prefix is left out
+    assert set(ta) == set(tb)
+    for name in ta:
+        torch.testing.assert_close(tb[name], ta[name], rtol=0, atol=1e-6, msg=name)

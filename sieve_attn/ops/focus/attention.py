@@ -17,6 +17,7 @@ import torch
 from ..._checks import check_attention_call, check_choice, check_int, check_positive_float, check_softcap, fail
 from ..._checks import resolve_scale
 from ...config import FOCUS_BACKENDS as BACKENDS
+from ..triton_common import kernel_blocker
 from .groups import FocusGroups
 from .reference import focus_attention_reference, focus_pair_mask, focus_soft_attention_reference
 
@@ -100,20 +101,9 @@ def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, cau
 
 def _triton_blocker(q, k, num_groups, causal, attn_mask) -> Optional[str]:
     """Why the Triton kernels cannot compute this call, or None when they can."""
-    import os
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"the Triton kernels run on CUDA devices (or with TRITON_INTERPRET=1), q is on {q.device}"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"the Triton kernels take float16, bfloat16 or float32, q is {q.dtype}"
-    head_dim = q.shape[-1]
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        return f"the Triton kernels take head dims that are powers of two in [16, 256], got {head_dim}"
-    if attn_mask is not None:
-        return "the Triton kernels take no attn_mask (padding); the reference does"
+    blocker = kernel_blocker(q, attn_mask)
+    if blocker:
+        return blocker
     if num_groups > 63:
         return f"the Triton kernels take group ids < 63, got {num_groups - 1}"
     q_len, k_len = q.shape[2], k.shape[2]

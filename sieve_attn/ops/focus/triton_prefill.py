@@ -75,11 +75,14 @@ def _pair_mask(q_tok, k_tok, q_bits, k_bits, lower, window, WINDOW_SET: tl.const
 @triton.jit
 def _logits(products, scale, softcap, SOFTCAP: tl.constexpr):
     """(logits in log2 units, d logit / d raw logit) for the dot products q.k of a tile."""
-    raw = products * scale
+    # One return: Triton cannot compile a constexpr branch that returns values of another type (float vs tensor).
+    logits = products * scale
+    slope = tl.full(logits.shape, 1.0, tl.float32)
     if SOFTCAP:
-        t = tanh(raw / softcap)
-        return softcap * t * 1.4426950408889634, 1.0 - t * t
-    return raw * 1.4426950408889634, 1.0
+        t = tanh(logits / softcap)
+        logits = softcap * t
+        slope = 1.0 - t * t
+    return logits * 1.4426950408889634, slope
 
 
 @triton.jit

@@ -1,6 +1,11 @@
 """Public SFA attention op: argument checks, then the backend that computes it.
 
-Only the plain-PyTorch reference backend exists for now; ``backend="auto"`` resolves to it on every device.
+Backends:
+- ``"reference"``: plain PyTorch, block by block (:mod:`.reference`), any device, dtype and padding mask.
+- ``"triton"``: the FlashSFA kernels (:mod:`.flash_sfa`), forward and backward from the sparse codes; CUDA (or
+  the Triton interpreter), float16/bfloat16/float32, head dims that are powers of two in [16, 256], no attn_mask.
+``"auto"`` takes the Triton kernels on CUDA when they can compute the call, and the reference otherwise (always on
+the CPU, where the interpreter is for tests only).
 """
 from __future__ import annotations
 
@@ -9,9 +14,9 @@ from typing import Optional
 import torch
 
 from ..._checks import check_attention_call, check_choice, check_int, check_softcap, resolve_scale
+from ...config import SFA_BACKENDS as BACKENDS
+from ..triton_common import choose_backend, kernel_blocker
 from .reference import sfa_attention_reference
-
-BACKENDS = ("auto", "reference")
 
 
 def sfa_attention(
@@ -39,6 +44,8 @@ def sfa_attention(
         causal: only keys at positions <= the query's attend.
         scale: logit scale, default 1/sqrt(D) with D the full head dimension (not 1/sqrt(topk)).
         softcap: logits become softcap * tanh(logit / softcap) (Gemma-2); a zero-overlap pair still scores 0.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (module docstring); ``"triton"`` raises ValueError
+            for a call its kernels cannot compute.
         attn_mask: optional bool [1 or B, 1 or Hq, Tq, Tk], True = may attend (padding); ANDed with causality.
         out: optional contiguous [B, Hq, Tq, D] tensor of q's dtype and device, written in place and returned.
 
@@ -53,7 +60,19 @@ def sfa_attention(
     """
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     topk = check_int("topk", topk, 1, q.shape[-1])
-    check_choice("backend", backend, BACKENDS)
-    out, lse = sfa_attention_reference(q, k, v, topk=topk, causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
-                                       softcap=check_softcap(softcap), attn_mask=attn_mask, out=out)
+    causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
+    if _resolve(q, attn_mask, backend) == "triton":
+        from .flash_sfa import flash_sfa_attention
+        result, lse = flash_sfa_attention(q, k, v, topk=topk, causal=causal, scale=scale, softcap=softcap)
+        if out is not None:
+            result = out.copy_(result)
+        return (result, lse) if return_lse else result
+    out, lse = sfa_attention_reference(q, k, v, topk=topk, causal=causal, scale=scale, softcap=softcap,
+                                       attn_mask=attn_mask, out=out)
     return (out, lse.float()) if return_lse else out
+
+
+def _resolve(q: torch.Tensor, attn_mask: Optional[torch.Tensor], backend: str) -> str:
+    """The backend that computes the call; an explicit ``"triton"`` it cannot compute raises ValueError."""
+    check_choice("backend", backend, BACKENDS)
+    return choose_backend(backend, q, kernel_blocker(q, attn_mask))

@@ -25,7 +25,8 @@ import torch
 
 from ..._checks import check_choice, check_no_nan, fail, resolve_scale
 from ...config import SFA_BACKENDS
-from ..triton_common import dot, is_interpreted, jit, softmax_finish, softmax_step, triton
+from ..triton_common import (choose_backend, dot, is_interpreted, jit, kernel_blocker, softmax_finish, softmax_step,
+                             triton)
 from .cache import SFAKeyCache
 from .codes import densify, sparsify
 
@@ -161,29 +162,9 @@ def _check_decode_call(q, cache) -> None:
     check_no_nan(q=q)
 
 
-def _triton_blocker(q: torch.Tensor) -> str | None:
-    """Why the Triton kernel cannot compute this call, or None when it can."""
-    if triton is None:
-        return "triton is not installed"
-    if q.device.type != "cuda" and not _INTERPRETED:
-        return (f"the Triton kernel runs on CUDA devices (or with TRITON_INTERPRET=1 set before import), q is on "
-                f"{q.device}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"the Triton kernel takes float16, bfloat16 or float32, q is {q.dtype}"
-    head_dim = q.shape[-1]
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        return f"the Triton kernel takes head dims that are powers of two in [16, 256], got {head_dim}"
-    return None
-
-
 def _resolve_backend(q: torch.Tensor, backend: str) -> str:
     check_choice("backend", backend, SFA_BACKENDS)
-    if backend == "reference":
-        return "reference"
-    blocker = _triton_blocker(q)
-    if backend == "triton" and blocker:
-        fail("backend", "a call the Triton kernel can compute ('triton')", blocker)
-    return "triton" if backend == "triton" or (blocker is None and q.device.type == "cuda") else "reference"
+    return choose_backend(backend, q, kernel_blocker(q))
 
 
 def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,

@@ -1,0 +1,25 @@
+"""`sieve finetune`: SFA conversion and its dense baseline end to end on the real default model (tiny budget)."""
+import json
+
+import pytest
+
+from sieve_attn.cli import build_parser, main
+
+
+def test_help_explains_finetune(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["finetune", "--help"])
+    assert exit_info.value.code == 0
+    assert "--matching-weight" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sfa", "dense"])
+def test_finetune_writes_weights_adapter_and_result(tmp_path, method):
+    out = tmp_path / method
+    assert main(["finetune", "--method", method, "--topk", "16", "--context", "32", "--threads", "1", "--steps", "1",
+                 "--eval-windows", "1", "--out", str(out)]) == 0
+    record = json.loads((out / "result.json").read_text())
+    assert record["method"] == method and record["ppl_before"] > 1 and record["ppl_after"] > 1
+    assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    assert (out / "adapter" / "adapter_config.json").is_file() == (method == "sfa")
