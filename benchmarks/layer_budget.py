@@ -12,7 +12,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 
 import sieve_attn as sa
 from sieve_attn.data.text import stdlib_split, token_windows
