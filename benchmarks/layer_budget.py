@@ -12,7 +12,6 @@ import argparse
 import json
 from pathlib import Path
 
-
 import sieve_attn as sa
 from sieve_attn.data.text import stdlib_split, token_windows
 from sieve_attn.eval.perplexity import perplexity
