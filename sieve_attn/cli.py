@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
 
     from .bench.focus import add_arguments as add_bench_focus_args
+    from .bench.sfa import add_arguments as add_bench_sfa_args
 
     bench = sub.add_parser("bench", help="benchmark the attention kernels against dense ones").add_subparsers(
         dest="bench_command", required=True, metavar="WHAT")
@@ -140,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "Prints a table; writes bench_focus.json (device, versions, commit, settings, rows) and "
                     "speedup_vs_length.png to --out. Exits 1 if any configuration failed its check.")
     add_bench_focus_args(bench_focus)
+    bench_sfa = bench.add_parser(
+        "sfa", help="SFA (FlashSFA) vs dense SDPA (cuDNN, flash), a CUDA-core dense kernel, and dense decode",
+        description="Times sfa_attention (prefill forward, optionally forward+backward) against dense causal "
+                    "attention on the same bf16 inputs: SDPA-cuDNN, SDPA-flash, and a dense Triton kernel with "
+                    "FlashSFA's tiling that computes its scores on CUDA cores (the paper's like-for-like baseline; "
+                    "forward only); and sfa_decode of one token over a filled SFAKeyCache against dense SDPA decode "
+                    "(GQA). Every SFA configuration is checked in the same run (sampled rows against float32 "
+                    "attention on the sparsified q and k; gradients at a short length) before its time is reported; "
+                    "a failure prints FAIL and no speed. Each row records its FLOP (prefill) or byte (decode) "
+                    "count. Prints a table; writes bench_sfa.json (device, versions, commit, settings, rows, "
+                    "KV-cache bytes per token) and sfa_speedup_vs_length.png to --out. Exits 1 if any configuration "
+                    "failed its check.")
+    add_bench_sfa_args(bench_sfa)
     return parser
 
 
@@ -280,6 +294,12 @@ def cmd_bench_focus(args) -> int:
     return bench_focus(args)
 
 
+def cmd_bench_sfa(args) -> int:
+    from .bench.sfa import main as bench_sfa
+
+    return bench_sfa(args)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -287,7 +307,7 @@ def main(argv=None) -> int:
     if args.command == "retrofit":
         return cmd_retrofit(args)
     if args.command == "bench":
-        return cmd_bench_focus(args)
+        return cmd_bench_focus(args) if args.bench_command == "focus" else cmd_bench_sfa(args)
     if args.command == "finetune":
         return cmd_finetune(args)
     return cmd_eval_ppl(args)
