@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 from sieve_attn.ops.focus.attention import focus_attention, focus_backend  # noqa: E402
 from sieve_attn.ops.focus.layout import group_layout, window_layout  # noqa: E402
+from sieve_attn.ops.focus.reference import group_bits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, BF16 = torch.float32, torch.bfloat16
@@ -85,14 +86,18 @@ def test_returns_lse_of_the_reference_and_writes_out():
 
 
 def test_group_layout_sorts_pads_and_ranks_memberships():
-    groups = torch.tensor([[[1, -1], [0, 1], [1, -1], [0, -1], [1, 0]]])
-    layout = group_layout(groups, block=4)
-    # group 0: tokens 1, 3, 4 (+1 padding); group 1: tokens 0, 1, 2, 4
-    assert layout.slot_token.tolist() == [1, 3, 4, -1, 0, 1, 2, 4]
-    # token 1 and token 4 have their rank-1 copy in group 1
-    assert layout.slot_extra.tolist() == [-1, -1, -1, -1, -1, 0, -1, 1]
-    assert layout.num_extra == 2 and layout.tile_lower.tolist() == [0, 1]
-    assert layout.tile_seg_start.tolist() == [0, 4] and layout.tile_seg_end.tolist() == [4, 8]
+    groups = torch.tensor([[[1, -1], [0, 1], [1, -1], [0, -1], [1, 0]],
+                           [[2, -1], [2, -1], [0, -1], [2, -1], [2, -1]]]).to(DEVICE)
+    layout = group_layout(groups, group_bits(groups), block=4, num_groups=3)
+    # sequence 0: group 0 holds tokens 1, 3, 4 (+1 padding), group 1 tokens 0, 1, 2, 4, group 2 nobody;
+    # sequence 1: group 0 holds token 2, group 1 nobody, group 2 tokens 0, 1, 3, 4 (two tiles)
+    assert layout.slot_token.tolist() == [1, 3, 4, -1, 0, 1, 2, 4, 2, -1, -1, -1, 0, 1, 3, 4]
+    # the copies of tokens 1 and 4 of sequence 0 in group 1 are extra (their group 0 is lower), numbered in the
+    # order of the memberships of `groups`
+    assert layout.slot_extra.tolist() == [-1] * 5 + [0, -1, 1] + [-1] * 8
+    assert layout.num_extra == 2 and layout.extra_batch.tolist() == [0, 0] and layout.extra_token.tolist() == [1, 4]
+    assert layout.tile_batch.tolist() == [0, 0, 1, 1] and layout.tile_lower.tolist() == [0, 1, 0, 3]
+    assert layout.tile_seg_start.tolist() == [0, 4, 8, 12] and layout.tile_seg_end.tolist() == [4, 8, 12, 16]
 
 
 def test_window_layout_pads_each_sequence():

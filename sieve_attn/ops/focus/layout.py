@@ -10,21 +10,28 @@ into tiles of ``block`` slots and grouped in segments (a sequence, or one group 
 of queries in the forward pass and a block of keys in the backward pass; the kernels derive the slot range each
 tile reads from its segment bounds (the keys before a query in its segment, or ``window`` positions back).
 
-- Group layout: every (batch, group) membership of every token, stable-sorted by (batch, group, position), each
+- Group layout: every (batch, group) membership of every token, sorted by (batch, group, position), each
   group's segment padded to a multiple of ``block``. Inside a segment slots follow positions, so causality is
   "key slot <= query slot" and a group costs causal dense attention on its own members. A token with m memberships
   appears m times; its copy in its lowest group has rank 0, the others rank 1.. and a compact ``slot_extra`` index.
 - Window layout: each sequence in position order, padded to a multiple of ``block``; a query tile reads the keys
   from ``window`` positions before it up to its own end.
 
-Building a layout costs one sort of the memberships and one host synchronisation (the number of tiles).
+Building the group layout costs one sort of the memberships and one host synchronisation (the number of slots and
+of extra copies); the window layout depends only on the shape and is cached.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from ..triton_common import jit, triton
+
+if triton is not None:
+    import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ class TileLayout:
     tile_seg_start: torch.Tensor  # first slot of the tile's segment
     tile_seg_end: torch.Tensor    # one past the last slot of the tile's segment (a multiple of block)
     num_extra: int              # copies of rank >= 1 (tokens with several memberships)
+    extra_batch: Optional[torch.Tensor] = None  # [num_extra] sequence of each extra copy
+    extra_token: Optional[torch.Tensor] = None  # [num_extra] token position of each extra copy
 
     @property
     def num_tiles(self) -> int:
@@ -63,47 +72,115 @@ def window_layout(batch: int, length: int, block: int, device) -> TileLayout:
                       torch.zeros_like(tile_batch), *_int32(seg_start, seg_start + padded), num_extra=0)
 
 
-def group_layout(groups: torch.Tensor, block: int, num_groups: int | None = None) -> TileLayout:
-    """Layout of the group set for memberships ``groups`` [B, T, m] (-1 = empty slot, ids < num_groups).
+def group_layout(groups: torch.Tensor, bits: torch.Tensor, block: int, num_groups: int,
+                 lower_dtype: torch.dtype = torch.int64) -> TileLayout:
+    """Layout of the group set for memberships ``groups`` [B, T, m] (-1 = empty slot, ids < num_groups <= 63) whose
+    bit sets are ``bits`` [B, T] (int64, :func:`~.reference.group_bits`). ``tile_lower`` comes in ``lower_dtype``.
 
-    Built with fixed-size tensor ops and a single host synchronisation (for the slot and extra-copy counts)."""
+    Four small Triton kernels around one sort and one host synchronisation (the slot and extra-copy counts): the
+    layout is rebuilt for every call, so its cost is mostly the host's launch overhead, kept to about 15 launches.
+    Extra copies are numbered in the order of ``groups``' memberships."""
     batch, length, slots = groups.shape
     device = groups.device
-    num_groups = int(groups.max()) + 1 if num_groups is None else num_groups
-    valid = groups >= 0
+    count = groups.numel()
     num_segments = batch * num_groups
-    seq = torch.arange(batch, device=device)[:, None, None]
-    pos = torch.arange(length, device=device)[None, :, None].expand_as(groups).reshape(-1)
-    # Empty slots go to one extra segment past the last, which is counted but never laid out.
-    segment = torch.where(valid, seq * num_groups + groups, num_segments).reshape(-1)
-    order = torch.sort(segment * length + pos, stable=True).indices
-    segment, token = segment[order], pos[order]
-    if slots > 1:  # rank of a membership among its token's groups: how many of the token's groups have smaller ids
-        rank = ((groups[..., None, :] < groups[..., :, None]) & valid[..., None, :]).sum(-1).reshape(-1)[order]
-    else:
-        rank = torch.zeros_like(token)
-    laid_out = segment < num_segments
-    is_extra = laid_out & (rank > 0)
-
-    counts = torch.zeros(num_segments + 1, dtype=torch.int64, device=device).index_add_(
-        0, segment, torch.ones_like(segment))[:num_segments]
+    groups, bits = groups.contiguous(), bits.contiguous()
+    keys = torch.empty(count, dtype=torch.int64, device=device)
+    is_extra = torch.empty(count, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_segments, dtype=torch.int32, device=device)
+    grid = (triton.cdiv(count, _BLOCK),)
+    _key_memberships[grid](groups, bits, keys, is_extra, counts, count, length, slots, num_groups, num_segments,
+                           BLOCK=_BLOCK)
+    sorted_keys, order = torch.sort(keys)
+    extra_rank = torch.cumsum(is_extra, 0, dtype=torch.int32)
     padded = (counts + block - 1) // block * block
-    padded_start = torch.cumsum(padded, 0) - padded
-    first_member = torch.cumsum(counts, 0) - counts
-    total, num_extra = torch.stack([padded.sum(), is_extra.sum()]).tolist()  # the one synchronisation
+    ends, member_ends = torch.cumsum(padded, 0, dtype=torch.int32), torch.cumsum(counts, 0, dtype=torch.int32)
+    total, num_extra = torch.stack([ends[-1], extra_rank[-1]]).tolist()  # the one synchronisation
 
-    seg = segment.clamp_max(num_segments - 1)
-    slot = torch.where(laid_out, padded_start[seg] + torch.arange(segment.numel(), device=device) - first_member[seg],
-                       total)  # slot `total` is a scratch slot for the empty memberships
-    slot_token = torch.full((total + 1,), -1, dtype=torch.int64, device=device)
-    slot_token[slot] = token
-    slot_extra = torch.full((total + 1,), -1, dtype=torch.int64, device=device)
-    slot_extra[torch.where(is_extra, slot, total)] = torch.where(is_extra, torch.cumsum(is_extra, 0) - 1, -1)
+    slot_token = torch.full((total,), -1, dtype=torch.int32, device=device)
+    slot_extra = torch.full((total,), -1, dtype=torch.int32, device=device)
+    extra_rows = torch.empty(2, num_extra, dtype=torch.int64, device=device)
+    _place_memberships[grid](sorted_keys, order, is_extra, extra_rank, counts, padded, ends, member_ends, slot_token,
+                             slot_extra, extra_rows, count, length, num_groups, num_segments, num_extra, BLOCK=_BLOCK)
+    num_tiles = total // block
+    tables = torch.empty(3, num_tiles, dtype=torch.int32, device=device)
+    tile_lower = torch.empty(num_tiles, dtype=lower_dtype, device=device)
+    _tile_tables[(triton.cdiv(max(num_tiles, 1), _BLOCK),)](
+        ends, padded, tables, tile_lower, num_tiles, num_segments, num_groups, block,
+        STEPS=max(1, num_segments.bit_length()), BLOCK=_BLOCK)
+    return TileLayout(block, slot_token, slot_extra, tables[0], tile_lower, tables[1], tables[2], num_extra=num_extra,
+                      extra_batch=extra_rows[0], extra_token=extra_rows[1])
 
-    tile_segment = torch.repeat_interleave(torch.arange(num_segments, device=device), padded // block,
-                                           output_size=total // block)
-    tile_group = tile_segment % num_groups
-    seg_start = padded_start[tile_segment]
-    return TileLayout(block, *_int32(slot_token[:total], slot_extra[:total], tile_segment // num_groups),
-                      (1 << tile_group) - 1, *_int32(seg_start, seg_start + padded[tile_segment]),
-                      num_extra=num_extra)
+
+# Elements per program of the layout kernels.
+_BLOCK = 1024
+
+
+@jit
+def _key_memberships(GROUPS, BITS, KEYS, IS_EXTRA, COUNTS, count, length, slots, num_groups, num_segments,
+                     BLOCK: tl.constexpr):
+    """Per membership: its sort key (segment * T + position; empty slots go to a segment past the last), whether it
+    is an extra copy (the token has a lower group), and its segment's member count."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < count
+    group = tl.load(GROUPS + i, mask=live, other=-1)
+    row = i // slots
+    position = row % length
+    valid = live & (group >= 0)
+    segment = tl.where(valid, (row // length) * num_groups + group, num_segments)
+    tl.store(KEYS + i, segment * length + position, mask=live)
+    token_bits = tl.load(BITS + row, mask=valid, other=0)
+    lower = (tl.full([BLOCK], 1, tl.int64) << tl.maximum(group, 0)) - 1
+    tl.store(IS_EXTRA + i, (valid & ((token_bits & lower) != 0)).to(tl.int32), mask=live)
+    tl.atomic_add(COUNTS + segment, tl.full([BLOCK], 1, tl.int32), mask=valid)
+
+
+@jit
+def _place_memberships(SORTED_KEYS, ORDER, IS_EXTRA, EXTRA_RANK, COUNTS, PADDED, ENDS, MEMBER_ENDS, SLOT_TOKEN,
+                       SLOT_EXTRA, EXTRA_ROWS, count, length, num_groups, num_segments, num_extra,
+                       BLOCK: tl.constexpr):
+    """Writes each sorted membership's token (and extra-copy number) at its slot: the segment's padded start plus
+    the membership's rank inside the segment."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < count
+    key = tl.load(SORTED_KEYS + i, mask=live, other=0)
+    segment = key // length
+    position = key % length
+    placed = live & (segment < num_segments)
+    seg = tl.minimum(segment, num_segments - 1)
+    start = tl.load(ENDS + seg) - tl.load(PADDED + seg)
+    first = tl.load(MEMBER_ENDS + seg) - tl.load(COUNTS + seg)
+    slot = start + (i - first)
+    tl.store(SLOT_TOKEN + slot, position.to(tl.int32), mask=placed)
+    source = tl.load(ORDER + i, mask=placed, other=0)
+    extra = placed & (tl.load(IS_EXTRA + source, mask=placed, other=0) != 0)
+    number = tl.load(EXTRA_RANK + source, mask=extra, other=1) - 1
+    tl.store(SLOT_EXTRA + slot, number, mask=extra)
+    tl.store(EXTRA_ROWS + number, segment // num_groups, mask=extra)
+    tl.store(EXTRA_ROWS + num_extra + number, position, mask=extra)
+
+
+@jit
+def _tile_tables(ENDS, PADDED, TABLES, LOWER, num_tiles, num_segments, num_groups, block, STEPS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Per tile: its segment (binary search for the first padded end past the tile's first slot; empty segments
+    end where they start and are skipped), sequence, segment bounds, and the bit set of the groups below its group."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = j < num_tiles
+    slot = j * block
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.full([BLOCK], num_segments, tl.int32)
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        end = tl.load(ENDS + mid, mask=mid < num_segments, other=2147483647)
+        right = end <= slot
+        open_ = lo < hi
+        lo = tl.where(open_ & right, mid + 1, lo)
+        hi = tl.where(open_ & (end > slot), mid, hi)
+    seg = tl.minimum(lo, num_segments - 1)
+    end = tl.load(ENDS + seg, mask=live, other=0)
+    tl.store(TABLES + j, seg // num_groups, mask=live)
+    tl.store(TABLES + num_tiles + j, end - tl.load(PADDED + seg, mask=live, other=0), mask=live)
+    tl.store(TABLES + 2 * num_tiles + j, end, mask=live)
+    lower = (tl.full([BLOCK], 1, tl.int64) << (seg % num_groups).to(tl.int64)) - 1
+    tl.store(LOWER + j, lower.to(LOWER.dtype.element_ty), mask=live)

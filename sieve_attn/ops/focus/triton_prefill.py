@@ -347,11 +347,12 @@ class _Pattern:
     def __init__(self, groups, bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device):
         self.tiles = tiling(device)
         self.kv_heads = kv_heads
-        self.window_layout = window_layout(batch, length, self.tiles.layout, device)
-        self.group_layout = group_layout(groups, self.tiles.layout, num_groups)
         # With ids < 31 the bit sets fit 32-bit integers, whose masks cost half the instructions of 64-bit ones.
-        self.bits = (bits.int() if num_groups <= 31 else bits).contiguous()
-        self.lower = {id(layout): layout.tile_lower.to(self.bits.dtype)
+        bits_dtype = torch.int32 if num_groups <= 31 else torch.int64
+        self.window_layout = window_layout(batch, length, self.tiles.layout, device)
+        self.group_layout = group_layout(groups, bits, self.tiles.layout, num_groups, bits_dtype)
+        self.bits = bits.to(bits_dtype).contiguous()
+        self.lower = {id(layout): layout.tile_lower.to(bits_dtype)
                       for layout in (self.window_layout, self.group_layout)}
         self.window, self.causal, self.scale = window, causal, scale
         self.softcap = softcap
@@ -392,13 +393,7 @@ def _forward(q, k, v, pattern: _Pattern):
             *pattern.scalars(q), HAS_INIT=not window_set, BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n,
             num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, **pattern.meta(q, window_set, multi))
     if pattern.multi:
-        extra_slots = torch.nonzero(grp.slot_extra >= 0).squeeze(1)
-        order = grp.slot_extra[extra_slots].long()
-        batch_index = torch.empty_like(order)
-        token_index = torch.empty_like(order)
-        batch_index[order] = grp.tile_batch[extra_slots // tiles.layout].long()
-        token_index[order] = grp.slot_token[extra_slots].long()
-        merge_extra_partials(out, lse, extra_o[:grp.num_extra], extra_lse[:grp.num_extra], batch_index, token_index)
+        merge_extra_partials(out, lse, extra_o, extra_lse, grp.extra_batch, grp.extra_token)
     return out, lse
 
 
