@@ -108,7 +108,9 @@ def _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS
                window, scale, softcap, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
                NATIVE: tl.constexpr):
-    """Online-softmax steps over key slots [lo, hi); unmasked steps hold real keys that every query attends."""
+    """Online-softmax steps over key slots [lo, hi). Unmasked steps (MASKED false) hold real, earlier keys of the
+    queries' group: only the lowest-shared-group rule applies there, and only with several memberships."""
+    q_low = q_bits & lower  # the queries' groups below this one
     for start in range(lo, hi, BLOCK_N):
         k_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK_N))
         k = _rows(k_base, k_tok, s_kt, offs_d)
@@ -119,6 +121,9 @@ def _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS
             allowed = _pair_mask(q_tok[:, None], k_tok[None, :], q_bits[:, None], k_bits[None, :], lower, window,
                                  WINDOW_SET, CAUSAL, MULTI)
             s = tl.where(allowed, s, float("-inf"))
+        elif MULTI:
+            k_bits = tl.load(BITS_ROW + tl.maximum(k_tok, 0))
+            s = tl.where((q_low[:, None] & k_bits[None, :]) == 0, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -188,11 +193,11 @@ def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, T
         acc = _rows(INIT_O + b * s_ib + head * s_ih, tl.where(has, init_tok, -1), s_it, offs_d)
 
     lo, hi = _key_range(TILE_SEG_START, TILE_SEG_END, tile, q_start, window, BLOCK_M, BLOCK_N, WINDOW_SET, CAUSAL)
-    if WINDOW_SET or MULTI or not CAUSAL:
+    if WINDOW_SET or not CAUSAL:
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
                                    lo, hi, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK_N, True,
                                    WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
-    else:  # keys before the sub-tile are earlier real members of the group: no mask
+    else:  # keys before the sub-tile are earlier real members of the group: at most the lowest-group rule
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower,
                                    lo, q_start, s_kt, s_vt, window, scale, softcap, offs_d, BLOCK_N, False,
                                    WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
@@ -219,6 +224,7 @@ def _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, 
               s_vt, window, scale, softcap, offs_d, BLOCK: tl.constexpr, MASKED: tl.constexpr,
               WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
               NATIVE: tl.constexpr):
+    q_low = q_bits & lower
     for start in range(lo, hi, BLOCK):
         k_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK))
         k = _rows(k_base, k_tok, s_kt, offs_d)
@@ -230,6 +236,9 @@ def _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, 
             allowed = _pair_mask(q_tok[:, None], k_tok[None, :], q_bits[:, None], k_bits[None, :], lower, window,
                                  WINDOW_SET, CAUSAL, MULTI)
             p = tl.where(allowed, p, 0.0)
+        elif MULTI:
+            k_bits = tl.load(BITS_ROW + tl.maximum(k_tok, 0))
+            p = tl.where((q_low[:, None] & k_bits[None, :]) == 0, p, 0.0)
         ds = p * (dot(do, tl.trans(v), NATIVE) - delta[:, None]) * dcap
         dq += dot(ds.to(k.dtype), k, NATIVE)
     return dq
@@ -257,7 +266,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BITS, SLOT_TOKEN, TILE_BATCH, TI
 
     dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     lo, hi = _key_range(TILE_SEG_START, TILE_SEG_END, tile, q_start, window, BLOCK, BLOCK, WINDOW_SET, CAUSAL)
-    if WINDOW_SET or MULTI or not CAUSAL:
+    if WINDOW_SET or not CAUSAL:
         dq = _dq_steps(dq, q, do, lse, delta, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, bits_row, lower, lo, hi,
                        s_kt, s_vt, window, scale, softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL, MULTI,
                        SOFTCAP, NATIVE)
@@ -278,6 +287,7 @@ def _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE_ROW, DELTA_ROW
                 WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
                 NATIVE: tl.constexpr):
     """Steps over query slots [lo, hi); padding queries load q = dO = 0 and contribute nothing unmasked."""
+    k_low = k_bits & lower  # the keys' groups below this one
     for start in range(lo, hi, BLOCK):
         q_tok = tl.load(SLOT_TOKEN + start + tl.arange(0, BLOCK))
         q = _rows(q_base, q_tok, s_qt, offs_d)
@@ -291,6 +301,9 @@ def _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE_ROW, DELTA_ROW
             allowed = _pair_mask(q_tok[None, :], k_tok[:, None], q_bits[None, :], k_bits[:, None], lower, window,
                                  WINDOW_SET, CAUSAL, MULTI)
             p_t = tl.where(allowed, p_t, 0.0)
+        elif MULTI:
+            q_bits = tl.load(BITS_ROW + tl.maximum(q_tok, 0))
+            p_t = tl.where((k_low[:, None] & q_bits[None, :]) == 0, p_t, 0.0)
         dv += dot(p_t.to(do.dtype), do, NATIVE)
         ds_t = p_t * (dot(v, tl.trans(do), NATIVE) - delta[None, :]) * dcap_t
         dk += dot(ds_t.to(q.dtype), q, NATIVE)
@@ -320,11 +333,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, BITS, SLOT_TOKEN, TILE_BAT
         q_base = Q + b * s_qb + head * s_qh
         do_base = DO + b * s_db + head * s_dh
         stats = b * (num_heads * length) + head * length
-        if WINDOW_SET or MULTI or not CAUSAL:
+        if WINDOW_SET or not CAUSAL:
             dk, dv = _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE + stats, DELTA + stats,
                                  SLOT_TOKEN, bits_row, lower, lo, hi, s_qt, s_dt, window, scale, softcap, offs_d,
                                  BLOCK, True, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
-        else:  # queries after the sub-tile are later members of the group: no mask
+        else:  # queries after the sub-tile are later members of the group: at most the lowest-group rule
             dk, dv = _dkdv_steps(dk, dv, k, v, k_tok, k_bits, q_base, do_base, LSE + stats, DELTA + stats,
                                  SLOT_TOKEN, bits_row, lower, lo, k_start + BLOCK, s_qt, s_dt, window, scale,
                                  softcap, offs_d, BLOCK, True, WINDOW_SET, CAUSAL, MULTI, SOFTCAP, NATIVE)
