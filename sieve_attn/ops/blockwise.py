@@ -72,8 +72,9 @@ def blockwise_attention(
         if attn_mask.shape[1] == q_heads:
             attn_mask = attn_mask.reshape(attn_mask.shape[0], kv_heads, group, q_len, k_len)
     block_size = block_size or query_block_size(batch, q_heads, k_len)
-    recompute = (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-                 and batch * q_heads * q_len * k_len > _RECOMPUTE_ELEMENTS)
+    # Not only q, k, v: a score_mod may close over tensors that need gradients (the soft gate's memberships, with a
+    # frozen model's q, k, v), and each block's scores would then be kept for backward.
+    recompute = torch.is_grad_enabled() and batch * q_heads * q_len * k_len > _RECOMPUTE_ELEMENTS
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out_blocks = out.view(batch, kv_heads, group, q_len, head_dim)
