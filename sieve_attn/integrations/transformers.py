@@ -8,8 +8,6 @@ the module's input hidden states through a forward pre-hook. No model class is p
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -18,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .._checks import fail
+from .._files import atomic_write
 from ..config import FOCUS_INFERENCE_FIELDS, FocusConfig, SFAConfig
 from ..nn.focus_layer import FocusLayer
 from ..nn.sfa_layer import SFALayer
@@ -178,18 +177,6 @@ def _model_signature(model: nn.Module) -> dict:
             "attention_layers": len(attention_modules(model))}
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Writes through a temporary file in the same folder, then renames: a crash leaves the old file intact."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def save_adapter(model: nn.Module, directory) -> Path:
     """Saves only what compose added: ``adapter.safetensors`` and ``adapter_config.json`` in ``directory``."""
     if not is_composed(model):
@@ -201,8 +188,8 @@ def save_adapter(model: nn.Module, directory) -> Path:
     config = {"format": ADAPTER_FORMAT, "method": _method(focus, sfa),
               "focus": None if focus is None else focus.to_dict(), "sfa": None if sfa is None else sfa.to_dict(),
               "base_model": _model_signature(model)}
-    _atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp))
-    _atomic_write(directory / ADAPTER_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
+    atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp))
+    atomic_write(directory / ADAPTER_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
     return directory
 
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .._checks import check_int, check_positive_float, fail
-from ..integrations.transformers import LAYER_ATTR, _atomic_write, sfa_layers
+from .._files import atomic_write
+from ..integrations.transformers import LAYER_ATTR, sfa_layers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .retrofit import _lr_at
 
@@ -113,7 +114,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
             p.requires_grad_(False)
     weights = out_dir / WEIGHTS
     tensors = {n: p.detach().contiguous().cpu() for n, p in params.items()}
-    _atomic_write(weights, lambda tmp: save_file(tensors, tmp))
+    atomic_write(weights, lambda tmp: save_file(tensors, tmp))
     return {"steps": settings.steps, "history": history, "weights": str(weights)}
 
 

@@ -18,6 +18,7 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
+from sieve_attn.ops import split_k  # noqa: E402
 from sieve_attn.ops.focus import decode  # noqa: E402
 from sieve_attn.ops.focus.decode import focus_decode  # noqa: E402
 from sieve_attn.ops.focus.reference import focus_attention_reference, focus_pair_mask, group_bits  # noqa: E402
@@ -103,8 +104,9 @@ def test_matches_reference(case):
 
 def test_split_fills_an_h200():
     """Batch 1, 8 KV heads, 128K keys: enough chunk programs for 132 SMs, each chunk a whole number of tiles."""
-    chunk_keys, chunks = decode._split(8, 128 * 1024, decode._BLOCK_N, 132)
-    assert chunk_keys % decode._BLOCK_N == 0 and chunks * chunk_keys >= 128 * 1024 > (chunks - 1) * chunk_keys
+    work = split_k.plan(1, 32, 8, 1, 128 * 1024, torch.device("cpu"))  # the CPU plans for an H200's 132 SMs
+    chunk_keys, chunks = work.chunk_keys, work.chunks
+    assert chunk_keys % split_k.BLOCK_N == 0 and chunks * chunk_keys >= 128 * 1024 > (chunks - 1) * chunk_keys
     assert 8 * chunks >= 4 * 132  # several resident programs per SM
 
 

@@ -7,15 +7,14 @@ keys the cache was built from. Two backends compute it:
 
 - ``reference``: plain PyTorch. Densifies the cached keys one block at a time (never the whole cache) and runs an
   online softmax over the blocks.
-- ``triton``: flash-decoding split-K. The keys are cut into chunks; one program takes one (batch, KV head, chunk) and
-  every query row of that KV head (its Hq // Hkv query heads times the Tq queries), so the cache is read once per KV
-  head. Per tile of BLOCK_N keys it loads the tile's topk (index, value) pairs and V rows, rebuilds the dense key
-  tile in registers (topk compare-selects into a zero [BLOCK_N, D] tile), takes the scores with one dot against the
-  zero-filled queries, and keeps an online softmax in float32. Each chunk leaves a partial (output, log-sum-exp);
-  PyTorch merges the chunks by log-sum-exp. Bytes read per cached token and KV head: topk * (1 + element size) for
-  the key and D * element size for V, against 2 * D * element size for dense attention.
+- ``triton``: flash-decoding split-K (:mod:`sieve_attn.ops.split_k`), the cache read once per KV head. Per tile of
+  BLOCK_N keys it loads the tile's topk (index, value) pairs and V rows, rebuilds the dense key tile in registers
+  (topk compare-selects into a zero [BLOCK_N, D] tile), takes the scores with one dot against the zero-filled
+  queries, and keeps an online softmax in float32. The chunks' partials merge by log-sum-exp. Bytes read per cached
+  token and KV head: topk * (1 + element size) for the key and D * element size for V, against 2 * D * element size
+  for dense attention.
 
-Block sizes, warps and the split are not tuned on a GPU yet (the values follow the Focus decode kernel).
+Warps and stages are not tuned on a GPU yet; the split is the Focus decode kernel's.
 """
 from __future__ import annotations
 
@@ -25,6 +24,8 @@ import torch
 
 from ..._checks import check_choice, check_no_nan, fail, resolve_scale
 from ...config import SFA_BACKENDS
+from .. import split_k
+from ..split_k import program_rows, store_rows
 from ..triton_common import (choose_backend, dot, is_interpreted, jit, kernel_blocker, softmax_finish, softmax_step,
                              triton)
 from .cache import SFAKeyCache
@@ -34,13 +35,7 @@ if triton is not None:
     import triton.language as tl
 
 
-# Split-K aims at this many programs per SM, so that resident programs hide each other's load latency.
-_PROGRAMS_PER_SM = 8
-# Without a GPU (the Triton interpreter) chunking follows an H200, so CPU tests see the GPU's split.
-_DEFAULT_SMS = 132
-# Query rows per program; more rows (GQA group times queries) are split across programs.
-_MAX_BLOCK_M = 64
-_BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
+_NUM_WARPS, _NUM_STAGES = 4, 2
 # Elements of one densified key block (and of one score block) in the reference: 16 MiB in float32.
 _BLOCK_ELEMENTS = 2 ** 22
 
@@ -59,20 +54,8 @@ def _sfa_decode_chunk(
     """Grid (B * Hkv, chunks, row blocks). Q: the zero-filled sparse queries [B, Hq, Tq, D]; IDX, VAL: the cached key
     codes [B, Hkv, Tk, TOPK]; V [B, Hkv, Tk, D]. Writes each row's output over the chunk's keys (normalised over
     them) and its log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (float32, contiguous)."""
-    pid_bh = tl.program_id(0)
-    chunk = tl.program_id(1)
-    b = (pid_bh // kv_heads).to(tl.int64)
-    kv_head = (pid_bh % kv_heads).to(tl.int64)
-    rows = group * q_len
-    r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r is query i = r % Tq of head r // Tq in the group
-    row_ok = r < rows
-    q_head = kv_head * group + r // q_len
-    i = r % q_len
-    q_pos = k_len - q_len + i
-    d = tl.arange(0, HEAD_DIM)
-
-    q = tl.load(Q + b * stride_qb + q_head[:, None] * stride_qh + i[:, None] * stride_qt + d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
+    b, kv_head, r, row_ok, q_pos, d, q, start, stop = program_rows(
+        Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
     idx_head = IDX + b * stride_ib + kv_head * stride_ih
     val_head = VAL + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
@@ -80,8 +63,6 @@ def _sfa_decode_chunk(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    start = chunk * chunk_keys
-    stop = tl.minimum(start + chunk_keys, k_len)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         key_ok = n < stop
@@ -100,9 +81,7 @@ def _sfa_decode_chunk(
 
     # A row may have no key in this chunk (a query before the chunk's keys): output 0 and log-sum-exp -inf.
     out, lse = softmax_finish(acc, l_i, m_i)
-    out_row = (pid_bh.to(tl.int64) * rows + r) * num_chunks + chunk
-    tl.store(LSE + out_row, lse, mask=row_ok)
-    tl.store(O + out_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+    store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM)
 
 
 _INTERPRETED = triton is not None and is_interpreted(_sfa_decode_chunk)
@@ -207,49 +186,28 @@ def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,
     return out, (m + torch.log(total)).reshape(batch, q_heads, q_len)
 
 
-def _split(programs: int, k_len: int, sms: int) -> tuple[int, int]:
-    """(keys per chunk, chunks): about ``_PROGRAMS_PER_SM * sms`` programs in all, each chunk a whole number of
-    tiles. ``programs``: programs per chunk index (B * Hkv * row blocks)."""
-    tiles = triton.cdiv(k_len, _BLOCK_N)
-    chunks = max(1, min(tiles, triton.cdiv(_PROGRAMS_PER_SM * sms, programs)))
-    tiles_per_chunk = triton.cdiv(tiles, chunks)
-    return tiles_per_chunk * _BLOCK_N, triton.cdiv(tiles, tiles_per_chunk)
-
-
-def _merge_chunks(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """part_out [..., C, D] (each chunk normalised over its own keys) and part_lse [..., C] -> out [..., D] and
-    lse [...]: lse = logsumexp_c(lse_c), out = sum_c exp(lse_c - lse) out_c. A chunk without attended keys has
-    lse_c = -inf and weight 0; every query attends key 0, so lse is finite."""
-    lse = torch.logsumexp(part_lse, dim=-1)
-    weight = torch.exp(part_lse - lse[..., None])
-    return (weight[..., None] * part_out).sum(dim=-2), lse
-
-
 def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`sfa_decode` (arguments already checked, ``_triton_blocker(q)`` None).
+    """Triton :func:`sfa_decode` (arguments already checked, ``kernel_blocker(q)`` None).
 
     Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32). Products and accumulation are as accurate
     as float32 for every input dtype."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = cache.kv_heads, cache.length
-    group = q_heads // kv_heads
-    rows = group * q_len
-    block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))  # tl.dot needs 16 rows
-    row_blocks = triton.cdiv(rows, block_m)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else _DEFAULT_SMS
-    chunk_keys, chunks = _split(batch * kv_heads * row_blocks, k_len, sms)
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device)
 
     q_sparse = sparsify(q, cache.topk)
     indices, values = cache.keys()
     v = cache.values()
-    part_out = torch.empty(batch, q_heads, q_len, chunks, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, q_heads, q_len, chunks, dtype=torch.float32, device=q.device)
+    part_out, part_lse = split_k.partials(q, work.chunks)
+    # Merged in float32 and rounded to q's dtype by torch (the interpreter truncates float32 -> bfloat16 casts).
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _sfa_decode_chunk[(batch * kv_heads, chunks, row_blocks)](
+        _sfa_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
             q_sparse, indices, values, v, part_out, part_lse,
             *q_sparse.stride(), *indices.stride(), *values.stride(), *v.stride(),
-            kv_heads, group, q_len, k_len, scale, chunk_keys, chunks,
-            HEAD_DIM=head_dim, TOPK=cache.topk, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+            kv_heads, q_heads // kv_heads, q_len, k_len, scale, work.chunk_keys, work.chunks,
+            HEAD_DIM=head_dim, TOPK=cache.topk, BLOCK_M=work.block_m, BLOCK_N=split_k.BLOCK_N,
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
-    out, lse = _merge_chunks(part_out, part_lse)
+        split_k.merge(part_out, part_lse, out, lse)
     return out.to(q.dtype), lse

@@ -1,0 +1,117 @@
+"""Flash-decoding split-K, shared by the decode kernels (Focus, SFA over a compressed cache).
+
+A decode step has few query rows and many keys, so the keys are cut into chunks: one program takes one (batch, KV
+head, chunk, row block), where a KV head's rows are its Hq // Hkv query heads times the Tq queries, so K and V are
+read once per KV head and never copied per query head. Each chunk leaves a float32 partial (output normalised over
+its keys, log-sum-exp); the partials merge by log-sum-exp. This module holds the plan (how many chunks and rows per
+program), the kernels' common prologue and epilogue, and the merge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .triton_common import jit, triton
+
+if triton is not None:
+    import triton.language as tl
+
+# Programs per SM: several resident programs hide each other's load latency, and chunks that finish early leave no
+# SM idle for long. 8 measured best for the Focus decode kernel on an H200 (4 and 16 slower).
+_PROGRAMS_PER_SM = 8
+# Without a GPU (the Triton interpreter) chunking follows an H200, so CPU tests see the GPU's split.
+_DEFAULT_SMS = 132
+# Query rows per program; more rows (GQA groups times speculative queries) are split across programs.
+_MAX_BLOCK_M = 64
+# Keys per tile, measured on an H200 (D = 64, 128 and 256; 32-key tiles were slower).
+BLOCK_N = 64
+# Chunks merged per step of the merge kernel.
+_MERGE_CHUNKS = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """block_m rows per program, row_blocks programs per (batch, KV head, chunk), chunk_keys keys per chunk."""
+
+    block_m: int
+    row_blocks: int
+    chunk_keys: int
+    chunks: int
+
+
+def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device: torch.device) -> Plan:
+    """About ``_PROGRAMS_PER_SM`` programs per SM in all, each chunk a whole number of BLOCK_N-key tiles."""
+    rows = q_heads // kv_heads * q_len
+    block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))  # tl.dot needs 16 rows
+    row_blocks = triton.cdiv(rows, block_m)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
+    tiles = triton.cdiv(k_len, BLOCK_N)
+    chunks = max(1, min(tiles, triton.cdiv(_PROGRAMS_PER_SM * sms, batch * kv_heads * row_blocks)))
+    tiles_per_chunk = triton.cdiv(tiles, chunks)
+    return Plan(block_m, row_blocks, tiles_per_chunk * BLOCK_N, triton.cdiv(tiles, tiles_per_chunk))
+
+
+@jit
+def program_rows(Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys,
+                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This program's (batch, KV head, rows r [BLOCK_M] with row_ok, their positions q_pos, d = arange(D), the query
+    rows q [BLOCK_M, D] (0 past the last row), and its key range [start, stop)). Row r is query r % Tq of query head
+    r // Tq of the KV head's group; query i sits at key position Tk - Tq + i."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // kv_heads).to(tl.int64)
+    kv_head = (pid_bh % kv_heads).to(tl.int64)
+    r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < group * q_len
+    q_head = kv_head * group + r // q_len
+    i = r % q_len
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + q_head[:, None] * stride_qh + i[:, None] * stride_qt + d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    start = tl.program_id(1) * chunk_keys
+    return b, kv_head, r, row_ok, k_len - q_len + i, d, q, start, tl.minimum(start + chunk_keys, k_len)
+
+
+@jit
+def store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM: tl.constexpr):
+    """Writes this program's rows to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (contiguous; with one
+    chunk, the final tensors)."""
+    row = (tl.program_id(0).to(tl.int64) * (group * q_len) + r) * num_chunks + tl.program_id(1)
+    tl.store(LSE + row, lse, mask=row_ok)
+    tl.store(O + row[:, None] * HEAD_DIM + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+@jit
+def _merge_kernel(O_PART, LSE_PART, O, LSE, num_chunks, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
+                  MERGE_CHUNKS: tl.constexpr):
+    """Grid (rows,). Merges one row's chunks: O_PART [rows, chunks, D] and LSE_PART [rows, chunks] float32 into
+    O [rows, D] and LSE [rows] float32; a row whose chunks are all empty gets 0 and -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    lse_c = tl.load(LSE_PART + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    m = tl.max(lse_c, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse_c - m_safe), axis=0)  # >= 1 unless every chunk is empty (then 0)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for c0 in range(0, num_chunks, MERGE_CHUNKS):
+        cc = c0 + tl.arange(0, MERGE_CHUNKS)
+        ok = cc < num_chunks
+        w = tl.exp(tl.load(LSE_PART + row * num_chunks + cc, mask=ok, other=float("-inf")) - m_safe)
+        o = tl.load(O_PART + (row * num_chunks + cc[:, None]) * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(tl.maximum(total, 1.0)), float("-inf")))
+    tl.store(O + row * HEAD_DIM + d, (acc / tl.maximum(total, 1.0)).to(O.dtype.element_ty))
+
+
+def partials(q: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 partial buffers [B, Hq, Tq, chunks, D] and [B, Hq, Tq, chunks] for q [B, Hq, Tq, D]."""
+    return (torch.empty(*q.shape[:3], chunks, q.shape[3], dtype=torch.float32, device=q.device),
+            torch.empty(*q.shape[:3], chunks, dtype=torch.float32, device=q.device))
+
+
+def merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merges the partials of :func:`partials` into out [B, Hq, Tq, D] and lse [B, Hq, Tq] (contiguous)."""
+    chunks, head_dim = part_out.shape[-2], part_out.shape[-1]
+    _merge_kernel[(lse.numel(),)](part_out, part_lse, out, lse, chunks, HEAD_DIM=head_dim,
+                                  BLOCK_C=triton.next_power_of_2(chunks), MERGE_CHUNKS=_MERGE_CHUNKS)
