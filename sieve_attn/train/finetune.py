@@ -18,7 +18,7 @@ from .._checks import check_int, check_positive_float, fail
 from .._files import atomic_write
 from ..integrations.transformers import LAYER_ATTR, sfa_layers
 from .checkpoint import load_checkpoint, save_checkpoint
-from .retrofit import _lr_at
+from .schedule import lr_at
 
 CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model.safetensors"
@@ -93,7 +93,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
             picks = [(step * settings.batch_size + i) % len(windows) for i in range(settings.batch_size)]
             batch = windows[order[picks]].to(device)
             for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, settings)
+                group["lr"] = lr_at(step, settings)
             lm = model(batch, labels=batch, use_cache=False).loss
             matching = _matching_loss(layers)
             loss = lm if matching is None else lm + settings.matching_weight * matching

@@ -1,7 +1,6 @@
 """Router-only training of a composed model: the pretrained weights stay frozen, only Focus routers learn."""
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from .._checks import check_int, check_positive_float, fail
 from ..integrations.transformers import adapter_state, focus_layers, is_composed, save_adapter, set_focus_mode
 from . import distributed
 from .checkpoint import load_checkpoint, save_checkpoint
+from .schedule import lr_at
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -24,14 +24,6 @@ class RetrofitSettings:
     warmup: int = 10
     seed: int = 0
     checkpoint_every: int = 25
-
-
-def _lr_at(step: int, settings: RetrofitSettings) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
-    if step < settings.warmup:
-        return settings.lr * (step + 1) / settings.warmup
-    progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
-    return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def _check_arguments(model, windows: torch.Tensor, settings: RetrofitSettings) -> None:
@@ -150,7 +142,7 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
             picks = [(step * settings.batch_size + i) % len(windows) for i in range(settings.batch_size)]
             batch = windows[order[runtime.share(picks)]].to(device)
             for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, settings)
+                group["lr"] = lr_at(step, settings)
             history.append((step + 1, _train_step(model, batch, optimizer, trainable, runtime)))
             bar.set_postfix(loss=f"{history[-1][1]:.3f}")
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
