@@ -23,7 +23,8 @@ are SFA's). A failed gate prints FAIL, reports no time and sets ``correct: false
 Work per row, so that a ratio can be explained: prefill counts FMAs over the causal pairs i >= j of every head,
 k per pair for SFA's scores against D dense, and D for P @ V in both (forward+backward: 5 score-side and 4 value-side
 products per pair, the FlashSFA kernels' accounting); decode counts the bytes read per cached token and KV head,
-k * (index + value bytes) + D value bytes for SFA against 2 * D value bytes dense (k * 3 + 2D against 4D in bf16).
+the k bit-packed indices (ceil(k * b / 8) bytes, b = max(1, ceil(log2 D))) + k values + D values of V for SFA against
+2 * D values dense (in bf16 at D = 128, k = 16: 14 + 32 + 256 = 302 against 512).
 The JSON also records the measured KV-cache bytes per token of :class:`SFAKeyCache` at each (D, k) against
 :func:`dense_bytes_per_token`.
 """
@@ -39,8 +40,8 @@ import torch
 
 from ..config import SFA_BACKENDS
 from ..ops.sfa.attention import sfa_attention
-from ..ops.sfa.cache import SFAKeyCache, dense_bytes_per_token
-from ..ops.sfa.codes import index_dtype, sparsify
+from ..ops.sfa.cache import SFAKeyCache, dense_bytes_per_token, packed_bytes
+from ..ops.sfa.codes import sparsify
 from ..ops.sfa.decode import sfa_decode
 from ..ops.triton_common import choose_backend, kernel_blocker
 from .common import (BACKWARD, DECODE, DTYPE, FORWARD, Settings, Timer, Verdict, add_bench_arguments, add_int_list,
@@ -140,10 +141,10 @@ def prefill_work(mode: str, heads: int, length: int, head_dim: int, topk: int) -
 
 def decode_work(kv_heads: int, length: int, head_dim: int, topk: int) -> dict:
     """Bytes one decode step reads from a cache of ``length`` tokens and ``kv_heads`` heads: per token and head,
-    ``topk`` (index, value) pairs and the V row for SFA, the K and V rows dense (bf16 values, :func:`index_dtype`
-    indices)."""
-    value_bytes, index_bytes = DTYPE.itemsize, index_dtype(head_dim).itemsize
-    sfa = topk * (index_bytes + value_bytes) + head_dim * value_bytes
+    ``topk`` (index, value) pairs and the V row for SFA, the K and V rows dense (bf16 values, indices bit-packed as
+    the cache stores them: :func:`packed_bytes` per key)."""
+    value_bytes = DTYPE.itemsize
+    sfa = packed_bytes(topk, head_dim) + topk * value_bytes + head_dim * value_bytes
     dense = 2 * head_dim * value_bytes
     return {"sfa_bytes_per_token": sfa, "dense_bytes_per_token": dense, "sfa_bytes": sfa * kv_heads * length,
             "dense_bytes": dense * kv_heads * length, "dense_over_sfa": dense / sfa}

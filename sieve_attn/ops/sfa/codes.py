@@ -6,9 +6,9 @@ magnitudes the lower coordinate index wins. ``torch.topk`` leaves ties unspecifi
 the lowest index), which would make bf16/fp16 codes, where equal magnitudes are common, differ between devices and
 from a future kernel; a stable sort pins the rule. x should hold no NaN (its rank is unspecified).
 
-Two forms: (indices, values) pairs (:func:`sparse_codes`, the compact form of a key cache) and the zero-filled
-dense vector (:func:`sparsify`, what the reference attention multiplies). :func:`densify` turns the first into
-the second.
+Two forms: (indices, values) pairs (:func:`sparse_codes`, the compact form of a key cache, which also bit-packs
+the indices: :func:`.cache.pack_indices`) and the zero-filled dense vector (:func:`sparsify`, what the reference
+attention multiplies). :func:`densify` turns the first into the second.
 """
 from __future__ import annotations
 

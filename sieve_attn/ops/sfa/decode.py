@@ -5,14 +5,15 @@ and a cached key is ``scale * sum over the coordinates both keep of q~_u * k~_u`
 the dense cached V: exactly :func:`.reference.sfa_attention_reference` (q, K, V, causal=True) where K are the dense
 keys the cache was built from. Two backends compute it:
 
-- ``reference``: plain PyTorch. Densifies the cached keys one block at a time (never the whole cache) and runs an
-  online softmax over the blocks.
+- ``reference``: plain PyTorch. Unpacks and densifies the cached keys one block at a time (never the whole cache)
+  and runs an online softmax over the blocks.
 - ``triton``: flash-decoding split-K (:mod:`sieve_attn.ops.split_k`), the cache read once per KV head. Per tile of
-  BLOCK_N keys it loads the tile's topk (index, value) pairs and V rows, rebuilds the dense key tile in registers
-  (topk compare-selects into a zero [BLOCK_N, D] tile), takes the scores with one dot against the zero-filled
-  queries, and keeps an online softmax in float32. The chunks' partials merge by log-sum-exp. Bytes read per cached
-  token and KV head: topk * (1 + element size) for the key and D * element size for V, against 2 * D * element size
-  for dense attention.
+  BLOCK_N keys it loads the tile's bit-packed indices (unpacked in registers), their values and the V rows, rebuilds
+  the dense key tile in registers (topk compare-selects into a zero [BLOCK_N, D] tile), takes the scores with one
+  dot against the zero-filled queries, and keeps an online softmax in float32. The chunks' partials merge by
+  log-sum-exp. Bytes read per cached token and KV head: ceil(topk * b / 8) + topk * element size for the key (b =
+  :func:`.cache.index_bits` (D); 14 + 32 at D = 128, topk = 16, bfloat16) and D * element size for V, against
+  2 * D * element size for dense attention (302 against 512 bytes).
 
 Warps and stages are not tuned on a GPU yet; the split is the Focus decode kernel's.
 """
@@ -41,18 +42,44 @@ _BLOCK_ELEMENTS = 2 ** 22
 
 
 @jit
+def _packed_index(key_bytes, key_ok, stride_byte, T: tl.constexpr, BITS: tl.constexpr):
+    """Index T of each key of a tile, int32 [BLOCK_N]; key_bytes [BLOCK_N] points at each key's first packed byte,
+    consecutive bytes ``stride_byte`` apart. Index T is bits [T * BITS, (T + 1) * BITS) of the key's bytes read as
+    one little-endian integer (:func:`.cache.pack_indices`), so it lies in bytes T * BITS // 8 .. ((T + 1) * BITS -
+    1) // 8, known at compile time: at most 3 of them for BITS <= 16 (2 for BITS <= 8, the kernel's D <= 256).
+
+    Loads, per index: each of its bytes for the tile's keys, a gather at stride ``stride_byte`` whose BLOCK_N bytes
+    lie in the tile's BLOCK_N * ceil(TOPK * BITS / 8) packed bytes (64 * 14 = 896 at D = 128, topk = 16: seven
+    128-byte lines, read from memory once per tile, the later gathers hitting L1). A byte two neighbouring indices
+    share is the same load (same address and mask), which the compiler merges: the sm_90 TTIR at D = 128, topk = 16
+    has 14 byte loads per key, one per packed byte, against 16 for byte-wide indices. Loading the [BLOCK_N, bytes]
+    tile once instead would leave each index to extract its bytes from registers with a select and a sum over the
+    tile's columns, more work than these gathers."""
+    tl.static_assert(BITS <= 16, "a packed index must span at most 3 bytes (int32 holds them)")
+    FIRST: tl.constexpr = T * BITS // 8
+    LAST: tl.constexpr = ((T + 1) * BITS - 1) // 8
+    # Widened to int32 before shifting: shifts of uint8 would drop the high bits.
+    word = tl.load(key_bytes + FIRST * stride_byte, mask=key_ok, other=0).to(tl.int32)
+    for s in tl.static_range(FIRST + 1, LAST + 1):
+        byte = tl.load(key_bytes + s * stride_byte, mask=key_ok, other=0).to(tl.int32)
+        word = word | (byte << (8 * (s - FIRST)))
+    return (word >> (T * BITS % 8)) & ((1 << BITS) - 1)
+
+
+@jit
 def _sfa_decode_chunk(
     Q, IDX, VAL, V, O, LSE,
     stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_ib, stride_ih, stride_it, stride_ik,
+    stride_ib, stride_ih, stride_it, stride_ibyte,
     stride_kb, stride_kh, stride_kt, stride_kk,
     stride_vb, stride_vh, stride_vt, stride_vd,
     kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
-    HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NATIVE_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
-    """Grid (B * Hkv, chunks, row blocks). Q: the zero-filled sparse queries [B, Hq, Tq, D]; IDX, VAL: the cached key
-    codes [B, Hkv, Tk, TOPK]; V [B, Hkv, Tk, D]. Writes each row's output over the chunk's keys (normalised over
+    """Grid (B * Hkv, chunks, row blocks). Q: the zero-filled sparse queries [B, Hq, Tq, D]; IDX: the cached keys'
+    packed indices uint8 [B, Hkv, Tk, ceil(TOPK * INDEX_BITS / 8)] (:func:`.cache.pack_indices`); VAL: their values
+    [B, Hkv, Tk, TOPK]; V [B, Hkv, Tk, D]. Writes each row's output over the chunk's keys (normalised over
     them) and its log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (float32, contiguous)."""
     b, kv_head, r, row_ok, q_pos, d, q, start, stop = program_rows(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
@@ -70,7 +97,7 @@ def _sfa_decode_chunk(
         # distinct, so a select (not a sum) places them, and a key past the cache end stays 0.
         k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         for t in tl.static_range(TOPK):
-            coord = tl.load(idx_head + n * stride_it + t * stride_ik, mask=key_ok, other=0).to(tl.int32)
+            coord = _packed_index(idx_head + n * stride_it, key_ok, stride_ibyte, t, INDEX_BITS)
             value = tl.load(val_head + n * stride_kt + t * stride_kk, mask=key_ok, other=0.0).to(tl.float32)
             k = tl.where(d[None, :] == coord[:, None], value[:, None], k)
         v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
@@ -150,8 +177,9 @@ def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,
                          block_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-PyTorch :func:`sfa_decode` (arguments already checked), in float32 or wider.
 
-    The cached keys are densified ``block_keys`` at a time (default: about 2**22 elements per block), so memory is
-    O(block) beyond the cache, never a dense K of the whole cache; an online softmax carries the blocks.
+    The cached keys are unpacked and densified ``block_keys`` at a time (default: about 2**22 elements per block),
+    so memory is O(block) beyond the cache, never a dense K of the whole cache; an online softmax carries the
+    blocks.
 
     Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32, or float64 for float64 q).
     """
@@ -162,7 +190,6 @@ def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,
     if block_keys is None:
         block_keys = max(16, _BLOCK_ELEMENTS // (batch * kv_heads * max(head_dim, group * q_len)))
     qg = sparsify(q, cache.topk).to(compute_dtype).reshape(batch, kv_heads, group, q_len, head_dim)
-    indices, values = cache.keys()
     v = cache.values()
     q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
 
@@ -171,7 +198,7 @@ def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,
     acc = torch.zeros(batch, kv_heads, group, q_len, head_dim, dtype=compute_dtype, device=q.device)
     for start in range(0, k_len, block_keys):
         stop = min(start + block_keys, k_len)
-        keys = densify(indices[:, :, start:stop], values[:, :, start:stop], head_dim).to(compute_dtype)
+        keys = densify(*cache.keys(start, stop), head_dim).to(compute_dtype)  # unpacks this block only
         scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys) * scale
         k_pos = torch.arange(start, stop, device=q.device)
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
@@ -196,7 +223,7 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device)
 
     q_sparse = sparsify(q, cache.topk)
-    indices, values = cache.keys()
+    packed, values = cache.packed_keys()
     v = cache.values()
     part_out, part_lse = split_k.partials(q, work.chunks)
     # Merged in float32 and rounded to q's dtype by torch (the interpreter truncates float32 -> bfloat16 casts).
@@ -204,10 +231,11 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _sfa_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
-            q_sparse, indices, values, v, part_out, part_lse,
-            *q_sparse.stride(), *indices.stride(), *values.stride(), *v.stride(),
+            q_sparse, packed, values, v, part_out, part_lse,
+            *q_sparse.stride(), *packed.stride(), *values.stride(), *v.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, scale, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, TOPK=cache.topk, BLOCK_M=work.block_m, BLOCK_N=split_k.BLOCK_N,
-            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+            HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, BLOCK_M=work.block_m,
+            BLOCK_N=split_k.BLOCK_N, NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
+            num_stages=_NUM_STAGES)
         split_k.merge(part_out, part_lse, out, lse)
     return out.to(q.dtype), lse
