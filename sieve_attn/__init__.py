@@ -11,6 +11,15 @@ from .ops.sfa.decode import sfa_decode
 
 __version__ = "0.1.0"
 
-__all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "SFAConfig", "SFAKeyCache", "compose", "dense_bytes_per_token",
-           "focus_attention", "focus_backend", "focus_soft_attention", "load_adapter", "reconfigure", "save_adapter",
-           "set_focus_mode", "sfa_attention", "sfa_decode", "sparse_codes"]
+
+def __getattr__(name: str):
+    # SFACache subclasses transformers' Cache: imported on first use, so that `import sieve_attn` stays light.
+    if name == "SFACache":
+        from .integrations.sfa_cache import SFACache
+        return SFACache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "SFACache", "SFAConfig", "SFAKeyCache", "compose",
+           "dense_bytes_per_token", "focus_attention", "focus_backend", "focus_soft_attention", "load_adapter",
+           "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention", "sfa_decode", "sparse_codes"]

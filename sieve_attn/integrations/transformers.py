@@ -34,7 +34,8 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
     """transformers attention-interface function: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> ([B, Tq, Hq, D], None).
 
     ``attention_mask`` is transformers' boolean SDPA mask (True = attend; it already holds causality, padding and
-    the layer's own sliding window) or None for plain causal attention.
+    the layer's own sliding window) or None for plain causal attention. With :class:`sieve_attn.SFACache`, ``key``
+    is a :class:`~sieve_attn.nn.sfa_layer.CachedKeys` that the layer's SFALayer reads.
     """
     focus, sfa = getattr(module, LAYER_ATTR, None), getattr(module, SFA_ATTR, None)
     if focus is None and sfa is None:
@@ -142,7 +143,7 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     (after RoPE); with both, SFA scores are computed inside the Focus pattern. Every original weight is frozen (only
     the routers are trainable; :func:`sieve_attn.train.finetune.finetune` unfreezes what SFA conversion trains), and
     attention runs through the ``"sieve_focus"`` attention function. The model keeps working with ``generate``
-    and KV caches.
+    and transformers' KV caches; with SFA, :class:`sieve_attn.SFACache` keeps the compressed keys instead.
     """
     focus, sfa = _split_configs(configs)
     if is_composed(model):

@@ -1,0 +1,199 @@
+"""A transformers ``Cache`` that stores SFA's compressed keys: ``model.generate(..., past_key_values=SFACache(model))``.
+
+Each layer keeps an :class:`~sieve_attn.ops.sfa.cache.SFAKeyCache` (per token and KV head: the key's ``topk``
+(index, value) pairs and the dense V row) and no dense keys. Its ``update`` returns, as key_states, a
+:class:`~sieve_attn.nn.sfa_layer.CachedKeys` that the model code hands unchanged to the ``"sieve_focus"`` attention
+function (Llama/SmolLM2, Mistral, Qwen2, Qwen3, OLMo-2, GPT-2 and Gemma-2 all call ``cache.update`` and then the
+attention function on what it returned); :meth:`SFALayer.attend <sieve_attn.nn.sfa_layer.SFALayer.attend>` decides
+how to read them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+from .._checks import check_int, fail
+from ..nn.sfa_layer import CachedKeys
+from ..ops.sfa.cache import SFAKeyCache
+from .transformers import ATTENTION_NAME, _head_dim, attention_modules
+
+
+class SFACacheLayer(CacheLayerMixin):
+    """One attention layer of :class:`SFACache`: the compressed keys and dense values of its most recent tokens.
+
+    A full-attention layer (``window`` None) keeps every token. A sliding-window layer (transformers' convention:
+    the query at position p attends keys p - window < j <= p) keeps at least the last window - 1 tokens, which is
+    all the next queries can see, and at most 2 * window - 1: once it holds 2 * window, it drops the older ones
+    (one copy of window - 1 tokens every window + 1 tokens, so O(1) copies per token).
+
+    ``keys`` and ``values`` (transformers' dense tensors) stay None; ``store`` is the SFAKeyCache, None until the
+    first update, and ``seen`` counts the tokens of the sequence so far (store holds the last len(store) of them).
+    """
+
+    def __init__(self, topk: int, kv_heads: int, head_dim: int, window: Optional[int] = None, capacity: int = 256):
+        super().__init__()
+        self.topk, self.kv_heads, self.head_dim, self.window, self.capacity = topk, kv_heads, head_dim, window, capacity
+        self.is_sliding = window is not None
+        self.store: Optional[SFAKeyCache] = None
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.store = self._empty_store(key_states.shape[0], key_states.dtype, key_states.shape[2])
+        self.is_initialized = True
+
+    def _empty_store(self, batch: int, dtype: torch.dtype, tokens: int) -> SFAKeyCache:
+        return SFAKeyCache(batch, self.kv_heads, self.head_dim, topk=self.topk, dtype=dtype, device=self.device,
+                           capacity=max(self.capacity, tokens))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stores key_states [B, Hkv, Tq, D] (after RoPE) as codes and value_states [B, Hkv, Tq, D] as they are.
+
+        Returns (:class:`CachedKeys` of the layer's store, the store's V [B, Hkv, Tk, D]), Tk = tokens held now."""
+        if key_states.dim() != 4 or (key_states.shape[1], key_states.shape[3]) != (self.kv_heads, self.head_dim):
+            fail("past_key_values", "an SFACache built for this model", f"one built for {self.kv_heads} KV heads of "
+                 f"dim {self.head_dim}, given keys of shape {tuple(key_states.shape)}")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        store = self.store
+        keys = CachedKeys(store, key_states if len(store) == 0 else None)
+        store.append(key_states, value_states)
+        self.seen += key_states.shape[2]
+        if self.window is not None and len(store) >= 2 * self.window:
+            # The returned keys still read the old store, whose tokens this call's queries need.
+            self._rebuild(start=len(store) - self.window + 1)
+        return keys, store.values()
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the next call's keys: the tokens held plus the query_length new ones, the
+        first at absolute position kv_offset."""
+        held = self._held()
+        return held + query_length, self.seen - held
+
+    def get_max_length(self) -> int:
+        return -1 if self.window is None else self.window
+
+    def reset(self) -> None:
+        self.store, self.seen, self.is_initialized = None, 0, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keeps the batch rows ``indices`` (int64 ids, repeats allowed, or a bool mask [B]), in that order."""
+        if self.store is not None:
+            self._rebuild(rows=indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None:
+            self._rebuild(rows=torch.arange(self.store.batch, device=self.device).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last -tokens_to_remove tokens (transformers' convention: a count <= 0). A sliding-window layer
+        that already dropped old tokens must keep the window - 1 that the next token's query sees."""
+        held = self._held()
+        removable = held if self.seen == held else held - (self.window - 1)
+        if not (isinstance(tokens_to_remove, int) and -removable <= tokens_to_remove <= 0):
+            fail("tokens_to_remove", f"an int in [-{removable}, 0] (tokens to drop from the end)", tokens_to_remove)
+        if tokens_to_remove:
+            self._rebuild(stop=held + tokens_to_remove)
+            self.seen += tokens_to_remove
+
+    def _held(self) -> int:
+        return 0 if self.store is None else len(self.store)
+
+    def _rebuild(self, rows: Optional[torch.Tensor] = None, start: int = 0, stop: Optional[int] = None) -> None:
+        """Replaces the store by a new one holding its tokens [start, stop) of the batch rows ``rows`` (all by
+        default), copying the codes (never recoding the keys)."""
+        indices, values = self.store.keys(start, stop)
+        v = self.store.values()[:, :, start:stop]
+        if rows is not None:
+            rows = rows.to(self.device)
+            indices, values, v = indices[rows], values[rows], v[rows]
+        self.store = self._empty_store(v.shape[0], v.dtype, v.shape[2])
+        if v.shape[2]:
+            self.store.append_codes(indices, values, v)
+
+
+class SFACache(Cache):
+    """KV cache of a model composed with an :class:`~sieve_attn.SFAConfig`, holding SFA's compressed keys.
+
+    ``model.generate(ids, past_key_values=SFACache(model), ...)``, or ``model(ids, past_key_values=cache)`` for one
+    forward (transformers versions that renamed the argument ``cache`` take both names): every attention layer
+    keeps, per token and KV head, the key's ``topk`` coordinate indices and values (the codes SFA scores with) and
+    the dense V row, in an :class:`~sieve_attn.ops.sfa.cache.SFAKeyCache` (``layers[i].store``); no dense key is
+    kept. Per token and KV head that is ``layers[i].store.bytes_per_token()`` (302 bytes at head dim 128, topk 16,
+    bfloat16) against ``dense_bytes_per_token(head_dim, dtype)`` = 2 * head_dim * element size (512) for
+    transformers' DynamicCache; :meth:`allocated_bytes` measures the whole cache.
+
+    What a forward computes is what the model computes with a dense cache (same SFA attention, same tokens under
+    greedy decoding; float rounding may differ):
+
+    - a call on an empty layer (the prompt) attends with the new dense keys, exactly as without this cache;
+    - a call that extends a layer (a decode step, or a prompt chunk after the first) reads the codes through
+      :func:`~sieve_attn.sfa_decode` when transformers passes no attention mask (no padding, and a full-attention
+      layer or a sliding one still within its window), the layer has no softcap (Gemma-2 has one) and no Focus
+      router; otherwise (left padding, chunked prefill, a sliding layer past its window, Gemma-2, Focus + SFA) it
+      densifies the layer's cached codes for that call and runs the ordinary path with the mask.
+
+    Sliding-window layers (from the model config, as transformers' DynamicCache reads it) keep between window - 1
+    and 2 * window - 1 tokens (:class:`SFACacheLayer`). Beam search (``reorder_cache``), ``batch_select_indices``,
+    ``batch_repeat_interleave``, ``crop`` (a negative count) and ``reset`` are supported; ``torch.compile`` of the
+    decode step and offloading are not.
+
+    Args:
+        model: a transformers decoder composed with an SFAConfig (alone or with a FocusConfig), still running the
+            ``"sieve_focus"`` attention implementation that compose set.
+        capacity: tokens each layer allocates at first (at least the first call's tokens); a layer doubles its
+            capacity whenever an append does not fit.
+
+    The cache is bound to the model's shape and topk: a layer receiving keys of another head count or head dim, a
+    layer index past the model's layers, or a model composed with another topk raises ValueError naming
+    ``past_key_values``; so do a model not composed with SFA or one switched to another attention implementation
+    (``model``).
+    """
+
+    def __init__(self, model: nn.Module, *, capacity: int = 256):
+        super().__init__(layers=_cache_layers(model, check_int("capacity", capacity, 1)))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            fail("past_key_values", "an SFACache built for this model",
+                 f"one built for {len(self.layers)} attention layers, given layer {layer_idx}")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every layer's SFAKeyCache (codes and V, unused capacity included); 0 before the first call."""
+        return sum(layer.store.allocated_bytes() for layer in self.layers if layer.store is not None)
+
+
+def _cache_layers(model: nn.Module, capacity: int) -> list[SFACacheLayer]:
+    """One SFACacheLayer per attention layer of ``model``, with the window DynamicCache(config) gives the layer."""
+    sfa = getattr(model, "sieve_sfa_config", None)
+    if sfa is None:
+        fail("model", "a model composed with an SFAConfig (sieve_attn.compose)",
+             f"a {type(model).__name__} without SFA")
+    implementation = model.config._attn_implementation
+    if implementation != ATTENTION_NAME:
+        fail("model", f"the attention implementation {ATTENTION_NAME!r} that compose set", repr(implementation))
+    dense = DynamicCache(config=model.config).layers
+    indices = [module.layer_idx for _, module in attention_modules(model)]
+    if indices != list(range(len(dense))):
+        fail("model", f"attention modules with layer_idx 0 .. {len(dense) - 1} (one per layer of its config)", indices)
+    text = model.config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return [SFACacheLayer(sfa.topk, kv_heads, _head_dim(model), _window(layer), capacity) for layer in dense]
+
+
+def _window(layer) -> Optional[int]:
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return layer.sliding_window
+    if type(layer) is not DynamicLayer:
+        fail("model", "full or sliding-window attention layers", f"a {type(layer).__name__}")
+    return None
