@@ -1,12 +1,12 @@
 """`sieve bench focus` on the CPU: end to end on tiny sizes, the correctness gate, the group generator, the
-prototype baseline and the CLI help."""
+prototype baseline, the extra backends' rows and the CLI help."""
 import json
 
 import pytest
 import torch
 
-from sieve_attn.bench.focus import (BenchConfig, balanced_groups, check_rows, format_length, parse_length,
-                                    prototype_same_group, run, sample_rows)
+from sieve_attn.bench.focus import (BenchConfig, balanced_groups, check_rows, config_from_args, format_length,
+                                    parse_length, prototype_same_group, run, sample_rows)
 from sieve_attn.bench.timing import measure
 from sieve_attn.cli import build_parser, main
 from sieve_attn.ops.focus.attention import focus_attention
@@ -116,11 +116,37 @@ def test_bench_focus_help(capsys):
         build_parser().parse_args(["bench", "focus", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--lengths", "--head-dims", "--groups", "--top-k", "--backend", "--baselines", "--backward",
-                   "--max-backward-length", "--decode-lengths", "--out"):
+    for option in ("--lengths", "--head-dims", "--groups", "--top-k", "--backend", "--backends", "--baselines",
+                   "--backward", "--max-backward-length", "--decode-lengths", "--out"):
         assert option in text
 
 
 def test_top_k_above_group_count_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--top-k"):
         main(["bench", "focus", "--groups", "2", "--top-k", "3", "--out", str(tmp_path)])
+
+
+def test_extra_backends_add_gated_rows(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "focus", *TINY, "--lengths", "512", "--backends", "sdpa", "--decode-lengths", "",
+                 "--backward", "--backward-gate-length", "256", "--out", str(out)]) == 0
+    rows = json.loads((out / "bench_focus.json").read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2  # (forward, backward) x top-k, each configured then sdpa
+    configured, extra = rows[::2], rows[1::2]
+    assert all("extra_backend" not in r and r["focus_backend"] == "reference" for r in configured)
+    assert all(r["extra_backend"] == "sdpa" and r["focus_backend"] == "sdpa" for r in extra)
+    assert all(r["correct"] and r["focus"]["ms"] > 0 for r in rows)
+    for mine, theirs in zip(configured, extra):  # same configuration, same baseline measurements
+        assert (mine["mode"], mine["T"], mine["top_k"]) == (theirs["mode"], theirs["T"], theirs["top_k"])
+        assert mine["baselines"] == theirs["baselines"]
+    assert "| forward | 512 | 32 | 4 | 2 | sdpa |" in capsys.readouterr().out
+
+
+def test_extra_backends_default_to_sdpa_on_cuda_only():
+    def extra(*options):
+        return config_from_args(build_parser().parse_args(["bench", "focus", *options])).extra_backends
+    assert extra("--device", "cpu") == () and extra("--device", "cuda") == ("sdpa",)
+    assert extra("--device", "cuda", "--backend", "sdpa") == () and extra("--backends", "sdpa,triton") == (
+        "sdpa", "triton")
+    with pytest.raises(SystemExit):
+        extra("--backends", "cudnn")

@@ -3,6 +3,11 @@
 Inputs are random bf16 q, k, v (B=1) and random balanced groups. Each Focus configuration passes a correctness gate
 in the same run before its time is reported; a configuration that fails prints FAIL and reports no speed.
 
+``--backend`` is the Focus backend of every row. ``--backends`` adds, in prefill (forward and forward+backward), one
+more row per configuration for each further backend (default ``sdpa`` on CUDA, none elsewhere): timed and gated the
+same way, on the same inputs, against the same baselines, and marked by the row's ``extra_backend`` (rows of
+``--backend`` have no such field). Decode rows are only measured for ``--backend``.
+
 Baselines, on the same inputs:
 - ``cudnn``, ``flash``: dense causal SDPA with that backend forced;
 - ``flex``: compiled FlexAttention with a causal block mask (built once, untimed, like a cuDNN plan);
@@ -34,16 +39,17 @@ import torch
 from ..ops.focus import attention as focus_ops
 from ..ops.focus.groups import FocusGroups
 from .common import (BACKWARD, DECODE, Settings, Timer, Verdict, add_bench_arguments, add_int_list, attend_row,
-                     check_sampled_rows, decode_inputs, dense_cells, dense_masked_attention, finish, format_length,
-                     forward_backward, gate_cell, gradient_gate, make_qkv, markdown_row, number, parse_length,
-                     plot_modes, plot_ratio, refuse_above, row_fields, sample_rows, sdpa, settings_from_args,
-                     speedup_axis, speedups, sweep, table_header, time_dense)
+                     check_sampled_rows, choice_list, decode_inputs, dense_cells, dense_masked_attention, finish,
+                     format_length, forward_backward, gate_cell, gradient_gate, make_qkv, markdown_row, number,
+                     parse_length, plot_modes, plot_ratio, refuse_above, row_fields, sample_rows, sdpa,
+                     settings_from_args, speedup_axis, speedups, sweep, table_header, time_dense)
 
 # The module's interface; parse_length, format_length and sample_rows live in .common and stay importable here.
 __all__ = ["BenchConfig", "add_arguments", "balanced_groups", "check_rows", "format_length", "main", "parse_length",
            "prototype_same_group", "run", "sample_rows"]
 
 BASELINES = ("cudnn", "flash", "flex", "prototype")
+EXTRA_BACKENDS = tuple(name for name in focus_ops.BACKENDS if name != "auto")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class BenchConfig(Settings):
     group_counts: tuple[int, ...] = (4, 8, 16)
     top_ks: tuple[int, ...] = (1, 2)
     window: int = 128
+    extra_backends: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
@@ -65,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_int_list(group, "--groups", d.group_counts, "group counts K, comma list; random groups of balanced sizes")
         add_int_list(group, "--top-k", d.top_ks, "groups per token, comma list; each must be <= every K")
         group.add_argument("--window", type=int, default=d.window, help=f"local window w: 0 <= i-j <= w ({d.window})")
+        group.add_argument("--backends", type=choice_list(EXTRA_BACKENDS), default=None,
+                           help="further focus_attention backends timed in extra prefill rows, comma list; '' for "
+                                "none (sdpa on CUDA, none on the CPU)")
 
     add_bench_arguments(
         parser, d, method="Focus pattern", add_method_arguments=add_focus_arguments, backends=focus_ops.BACKENDS,
@@ -76,7 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     refuse_above("--top-k", args.top_k, "--groups", args.groups)
-    return BenchConfig(**settings_from_args(args), group_counts=args.groups, top_ks=args.top_k, window=args.window)
+    extra = args.backends
+    if extra is None:
+        extra = ("sdpa",) if torch.device(args.device).type == "cuda" else ()
+    return BenchConfig(**settings_from_args(args), group_counts=args.groups, top_ks=args.top_k, window=args.window,
+                       extra_backends=tuple(name for name in extra if name != args.backend))
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
@@ -197,44 +211,61 @@ def check_gradients(focus_fn: Callable, q, k, v, groups, window: int) -> Verdict
 # ---------------------------------------------------------------------------------------------------- measuring
 
 class Bench(Timer):
-    """The :class:`Timer` of a Focus run, with the Focus call under test and its gradient gates."""
+    """The :class:`Timer` of a Focus run, with the Focus calls under test and their gradient gates. ``fns`` maps
+    None (the configured backend, or the given ``focus_fn``) and each extra backend to its call."""
 
     def __init__(self, config: BenchConfig, focus_fn: Optional[Callable] = None):
         super().__init__(config)
-        self.focus_fn = focus_fn or functools.partial(focus_ops.focus_attention, window=config.window, causal=True,
-                                                      backend=config.backend)
+        self.fns = {name: functools.partial(focus_ops.focus_attention, window=config.window, causal=True,
+                                            backend=name or config.backend)
+                    for name in (None, *config.extra_backends)}
+        if focus_fn is not None:
+            self.fns[None] = focus_fn
+        self.focus_fn = self.fns[None]
 
-    def backend_used(self, q, k, groups) -> tuple[str, Optional[str]]:
-        """(backend, reason) that focus_attention resolves to, when the op can say; else (the requested one, None).
-        A backend that cannot serve the call reads "unavailable" with the op's reason."""
+    def backend_used(self, q, k, groups, extra: Optional[str] = None) -> tuple[str, Optional[str]]:
+        """(backend, reason) that focus_attention resolves to for the configured backend (or ``extra``), when the op
+        can say; else (the requested one, None). A backend that cannot serve the call reads "unavailable" with the
+        op's reason."""
+        requested = extra or self.config.backend
         if not hasattr(focus_ops, "focus_backend"):
-            return self.config.backend, None
+            return requested, None
         try:
-            return focus_ops.focus_backend(q, k, groups, causal=True, backend=self.config.backend)
+            return focus_ops.focus_backend(q, k, groups, causal=True, backend=requested)
         except ValueError as error:
             return "unavailable", str(error)
 
-    def backward_verdict(self, head_dim: int, num_groups: int, top_k: int) -> Optional[Verdict]:
-        """The gradient gate for this (D, K, top-k), run once at ``backward_gate_length`` (or shorter). None when
-        the Focus backward cannot run; its timing key is then marked failed, with the reason."""
+    def backward_verdict(self, head_dim: int, num_groups: int, top_k: int,
+                         extra: Optional[str] = None) -> Optional[Verdict]:
+        """The gradient gate for this (D, K, top-k) of the configured backend (or ``extra``), run once at
+        ``backward_gate_length`` (or shorter). None when the Focus backward cannot run; its timing key is then
+        marked failed, with the reason."""
         c = self.config
         length = min(c.backward_gate_length, max(c.lengths))
 
         def check() -> Verdict:
             q, k, v = make_qkv(c.heads, c.heads, length, length, head_dim, self.device, c.seed + 1)
             groups = balanced_groups(length, num_groups, top_k, seed=c.seed + 1).to(self.device)
-            return check_gradients(self.focus_fn, q, k, v, groups, c.window)
+            return check_gradients(self.fns[extra], q, k, v, groups, c.window)
         key = (head_dim, num_groups, top_k)
-        return self.gradient_verdict(key, ("focus", BACKWARD, *key), length, check)
+        return self.gradient_verdict((extra, *key) if extra else key, (timing_label(extra), BACKWARD, *key), length,
+                                     check)
+
+
+def timing_label(extra: Optional[str]) -> str:
+    """The timing-key label of the configured backend's Focus calls (``focus``) or of an extra backend's."""
+    return f"focus:{extra}" if extra else "focus"
 
 
 def focus_row(bench: Bench, mode: str, q, k, groups, num_groups: int, top_k: int, focus: dict,
-              checked: Optional[Verdict], baselines: dict) -> dict:
-    """One result row; ``correct`` is None when the Focus call never got to its gate."""
-    backend, reason = bench.backend_used(q, k, groups)
-    return {**row_fields(mode, q, k, checked), "num_groups": num_groups, "top_k": top_k,
-            "window": bench.config.window, "focus_backend": backend, "focus_backend_reason": reason, "focus": focus,
-            "baselines": baselines, "speedup": speedups(focus, baselines)}
+              checked: Optional[Verdict], baselines: dict, extra: Optional[str] = None) -> dict:
+    """One result row (of the configured backend, or of the extra backend ``extra``, named in ``extra_backend``);
+    ``correct`` is None when the Focus call never got to its gate."""
+    backend, reason = bench.backend_used(q, k, groups, extra)
+    row = {**row_fields(mode, q, k, checked), "num_groups": num_groups, "top_k": top_k,
+           "window": bench.config.window, "focus_backend": backend, "focus_backend_reason": reason, "focus": focus,
+           "baselines": baselines, "speedup": speedups(focus, baselines)}
+    return {**row, "extra_backend": extra} if extra else row
 
 
 def dense_prefill(bench: Bench, mode: str, q, k, v) -> dict:
@@ -256,18 +287,7 @@ def prefill_rows(bench: Bench, mode: str, q, k, v) -> list[dict]:
         for top_k in c.top_ks:
             groups = balanced_groups(length, num_groups, top_k, seed=c.seed).to(bench.device)
             key = (mode, dim, num_groups, top_k)
-
-            def attn(q_, k_, v_):
-                return bench.focus_fn(q_, k_, v_, groups)
-
-            if backward:
-                checked = bench.backward_verdict(dim, num_groups, top_k)
-                focus = bench.time_backward(("focus", *key), length, lambda: forward_backward(attn, q, k, v),
-                                            checked)
-            else:
-                rows_checked = sample_rows(length, c.window, c.gate_rows, c.seed)
-                focus, checked = bench.time(("focus", *key), length, lambda: functools.partial(attn, q, k, v),
-                                            gate=lambda out: check_rows(out, q, k, v, groups, rows_checked, c.window))
+            focus, checked = time_focus(bench, None, mode, q, k, v, groups, num_groups, top_k)
             baselines = dict(dense)
             if "prototype" in c.baselines:
                 proto = functools.partial(prototype_same_group, groups=groups, num_groups=num_groups)
@@ -276,7 +296,30 @@ def prefill_rows(bench: Bench, mode: str, q, k, v) -> list[dict]:
                     lambda: forward_backward(proto, q, k, v) if backward else functools.partial(proto, q, k, v))[0]
             rows.append(focus_row(bench, mode, q, k, groups, num_groups, top_k, focus, checked, baselines))
             print(format_row(rows[-1]), flush=True)
+            for extra in c.extra_backends:
+                focus, checked = time_focus(bench, extra, mode, q, k, v, groups, num_groups, top_k)
+                rows.append(focus_row(bench, mode, q, k, groups, num_groups, top_k, focus, checked, baselines, extra))
+                print(format_row(rows[-1]), flush=True)
     return rows
+
+
+def time_focus(bench: Bench, extra: Optional[str], mode: str, q, k, v, groups, num_groups: int,
+               top_k: int) -> tuple[dict, Optional[Verdict]]:
+    """(measurement, verdict) of the configured backend's Focus call (or the extra backend ``extra``'s) in ``mode``:
+    the forward gated on sampled rows, forward+backward on the gradient gate of its (D, K, top-k)."""
+    c, length, dim = bench.config, q.shape[2], q.shape[3]
+    key = (timing_label(extra), mode, dim, num_groups, top_k)
+    fn = bench.fns[extra]
+
+    def attn(q_, k_, v_):
+        return fn(q_, k_, v_, groups)
+
+    if mode == BACKWARD:
+        checked = bench.backward_verdict(dim, num_groups, top_k, extra)
+        return bench.time_backward(key, length, lambda: forward_backward(attn, q, k, v), checked), checked
+    rows_checked = sample_rows(length, c.window, c.gate_rows, c.seed)
+    return bench.time(key, length, lambda: functools.partial(attn, q, k, v),
+                      gate=lambda out: check_rows(out, q, k, v, groups, rows_checked, c.window))
 
 
 def decode_rows(bench: Bench, cache_len: int, head_dim: int) -> list[dict]:
@@ -308,35 +351,43 @@ def run(config: BenchConfig, focus_fn: Optional[Callable] = None) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------- reporting
 
-TABLE_HEADER = table_header(["mode", "T", "D", "K", "top-k", "focus ms", "cuDNN ms", "x cuDNN", "x flash", "x flex",
-                             "x proto", "peak GB", "correct"])
+TABLE_HEADER = table_header(["mode", "T", "D", "K", "top-k", "backend", "focus ms", "cuDNN ms", "x cuDNN", "x flash",
+                             "x flex", "x proto", "peak GB", "correct"])
 
 
 def format_row(row: dict) -> str:
-    """One markdown table line. Decode rows show dense SDPA (its backend named when not cuDNN) under cuDNN."""
+    """One markdown table line; ``backend`` is the one the Focus call resolved to. Decode rows show dense SDPA (its
+    backend named when not cuDNN) under cuDNN."""
     ratio = row["speedup"]
     return markdown_row([row["mode"], format_length(row["T"]), row["head_dim"], row["num_groups"], row["top_k"],
-                         number(row["focus"]["ms"]), *dense_cells(row), number(ratio.get("flash"), 2, "x"),
-                         number(ratio.get("flex"), 2, "x"), number(ratio.get("prototype"), 2, "x"),
+                         row["focus_backend"], number(row["focus"]["ms"]), *dense_cells(row),
+                         number(ratio.get("flash"), 2, "x"), number(ratio.get("flex"), 2, "x"),
+                         number(ratio.get("prototype"), 2, "x"),
                          number(row["focus"]["peak_gb"], 2), gate_cell(row["correct"])])
 
 
 def plot_speedups(rows: list[dict], path: Path) -> Path:
-    """PNG of Focus's speedup over dense cuDNN against T (log x), one panel per mode, one line per (D, K, top-k);
-    dashed lines are the prototype's speedup over cuDNN. Decode panels compare with dense SDPA decode."""
+    """PNG of Focus's speedup over dense cuDNN against T (log x), one panel per mode, one line per (D, K, top-k) of
+    the configured backend; dashed lines are the prototype's speedup over cuDNN, dotted ones each extra backend's.
+    Decode panels compare with dense SDPA decode."""
     return plot_modes(rows, path, _plot_mode)
 
 
 def _plot_mode(ax, rows: list[dict], mode: str) -> None:
     dense = "sdpa" if mode == DECODE else "cudnn"
     series = sorted({(r["head_dim"], r["num_groups"], r["top_k"]) for r in rows})
+    extras = sorted({r["extra_backend"] for r in rows if r.get("extra_backend")})
     for index, (dim, num_groups, top_k) in enumerate(series):
         mine = [r for r in rows if (r["head_dim"], r["num_groups"], r["top_k"]) == (dim, num_groups, top_k)]
         color = f"C{index % 10}"
         label = f"K={num_groups} top-{top_k}" + (f" D={dim}" if len({s[0] for s in series}) > 1 else "")
-        plot_ratio(ax, mine, lambda r: r["speedup"].get(dense), marker="o", color=color, label=label)
-        plot_ratio(ax, mine, functools.partial(_prototype_speedup, dense=dense), linestyle="--", color=color,
+        configured = [r for r in mine if not r.get("extra_backend")]
+        plot_ratio(ax, configured, lambda r: r["speedup"].get(dense), marker="o", color=color, label=label)
+        plot_ratio(ax, configured, functools.partial(_prototype_speedup, dense=dense), linestyle="--", color=color,
                    label=f"{label} prototype")
+        for extra in extras:
+            plot_ratio(ax, [r for r in mine if r.get("extra_backend") == extra], lambda r: r["speedup"].get(dense),
+                       marker="x", linestyle=":", color=color, label=f"{label} {extra}")
     speedup_axis(ax, rows, mode, f"speedup over dense {'SDPA decode' if mode == DECODE else 'cuDNN'}",
                  f"Focus {mode}")
 

@@ -16,32 +16,10 @@ from sieve_attn.ops.focus.attention import focus_attention, focus_backend  # noq
 from sieve_attn.ops.focus.layout import group_layout, window_layout  # noqa: E402
 from sieve_attn.ops.focus.reference import group_bits  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-F32, BF16 = torch.float32, torch.bfloat16
-# Absolute floor of the bound: float32 SDPA can be within 1e-7 of fp64, closer than any other summation order.
-FLOOR = {F32: 2e-6, BF16: 1e-3}
-
-
-def _groups(batch, length, num_groups, slots, seed):
-    """[B, T, slots] distinct random ids; with 2 slots every third token leaves its second slot empty (-1), and the
-    first token (a sink) joins every group."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(num_groups, generator=gen)[:slots] for _ in range(batch * length)])
-    ids = ids.view(batch, length, slots)
-    if slots > 1:
-        ids[:, ::3, 1] = -1
-        sink = torch.arange(num_groups).expand(batch, 1, num_groups)
-        ids = torch.cat([ids, ids.new_full((batch, length, num_groups - slots), -1)], dim=-1)
-        ids[:, :1] = sink
-    return ids.to(DEVICE)
-
-
-def _run(q, k, v, groups, backend, **kw):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = focus_attention(q, k, v, groups, backend=backend, **kw)
-    grad = torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape).to(out.dtype)
-    out.backward(grad)
-    return [out.detach(), q.grad, k.grad, v.grad]
+try:
+    from tests.ops.test_focus_sdpa import BF16, DEVICE, F32, check_against_reference, check_lse_and_out  # noqa: E402
+except ImportError:  # pytest imported the test modules with tests/ on the path
+    from ops.test_focus_sdpa import BF16, DEVICE, F32, check_against_reference, check_lse_and_out  # noqa: E402
 
 
 # (batch, q_heads, kv_heads, length, head_dim, num_groups, slots, window, causal, softcap, dtype)
@@ -57,32 +35,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference_forward_and_backward(case):
-    batch, hq, hkv, length, dim, num_groups, slots, window, causal, softcap, dtype = CASES[case]
-    gen = torch.Generator().manual_seed(len(case))
-    q, k, v = (torch.randn(batch, h, length, dim, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
-    groups = _groups(batch, length, num_groups, slots, seed=len(case))
-    kw = dict(window=window, causal=causal, softcap=softcap)
-    exact = _run(q.double(), k.double(), v.double(), groups, "reference", **kw)
-    fast = _run(q.to(dtype), k.to(dtype), v.to(dtype), groups, "triton", **kw)
-    # PyTorch's own low-precision attention: SDPA with the pattern mask (it has no softcap: then the reference).
-    baseline = _run(q.to(dtype), k.to(dtype), v.to(dtype), groups, "reference" if softcap else "dense", **kw)
-    for name, got, ref, base in zip(("out", "dq", "dk", "dv"), fast, exact, baseline):
-        assert not torch.isnan(got).any(), name
-        err = (got.double() - ref).abs().max().item()
-        bound = 2 * (base.double() - ref).abs().max().item() + FLOOR[dtype]
-        assert err <= bound, f"{case} {name}: error {err:.3g} > bound {bound:.3g}"
+    check_against_reference(case, CASES[case], "triton")
 
 
 def test_returns_lse_of_the_reference_and_writes_out():
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 2, 50, 16, generator=gen).to(DEVICE) for _ in range(3))
-    groups = _groups(1, 50, 4, 2, seed=3)
-    ref, ref_lse = focus_attention(q.double(), k.double(), v.double(), groups, window=4, backend="reference",
-                                   return_lse=True)
-    out = torch.full_like(q, float("nan"))
-    got, lse = focus_attention(q, k, v, groups, window=4, backend="triton", return_lse=True, out=out)
-    assert got.data_ptr() == out.data_ptr()
-    assert (got.double() - ref).abs().max() < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-5
+    check_lse_and_out("triton")
 
 
 def test_group_layout_sorts_pads_and_ranks_memberships():

@@ -5,8 +5,14 @@ Backends of the hard pattern (:func:`focus_attention`):
 - ``"dense"``: one SDPA call with the pattern as a boolean mask; exact, O(Tq x Tk) mask, for short sequences.
 - ``"triton"``: the pair-set kernels (:mod:`.triton_prefill`) for Tq == Tk, the decode kernel (:mod:`.decode`) for a
   few new queries against a cache; forward and backward.
+- ``"sdpa"``: the decomposition (:mod:`.decomposed`): tokens sorted by group, one batched causal SDPA-family call
+  (cuDNN first) for the same-group pairs, masked calls for the cross-group window pairs, merged by log-sum-exp;
+  Tq == Tk, no softcap or attn_mask; forward and backward, CPU and CUDA.
+- ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
+  softcap through a score_mod; gradients by autograd on CUDA, forward only on the CPU.
 ``"auto"`` takes the Triton kernels on CUDA from ``DENSE_BELOW`` keys up and for decoding, ``"dense"`` on CUDA below
-that, and the reference elsewhere; :func:`focus_backend` says which one a call would use and why.
+that, and the reference elsewhere (never ``"sdpa"`` or ``"flex"``, which are only taken when asked for);
+:func:`focus_backend` says which one a call would use and why.
 """
 from __future__ import annotations
 
@@ -16,8 +22,10 @@ import torch
 
 from ..._checks import check_attention_call, check_choice, check_int, check_positive_float, check_softcap, fail
 from ..._checks import resolve_scale
-from ...config import FOCUS_BACKENDS as BACKENDS
+from ...config import FOCUS_BACKENDS
 from ..triton_common import kernel_blocker
+from .decomposed import focus_attention_sdpa, sdpa_blocker
+from .flex import flex_blocker, focus_attention_flex
 from .groups import FocusGroups
 from .reference import focus_attention_reference, focus_pair_mask, focus_soft_attention_reference
 
@@ -27,6 +35,9 @@ DENSE_BELOW = 8192
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")
+# Backends served here beyond the configurable ones of sieve_attn.config.FOCUS_BACKENDS (a FocusConfig takes only
+# those until that list names these too).
+BACKENDS = tuple(dict.fromkeys(FOCUS_BACKENDS + ("sdpa", "flex")))
 
 
 def focus_attention(
@@ -68,14 +79,19 @@ def focus_attention(
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     window = check_int("window", window, 0)
     causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     name, _ = _resolve(q, k, groups.num_groups, causal=causal, softcap=softcap, attn_mask=attn_mask, backend=backend,
-                       return_lse=return_lse)
+                       return_lse=return_lse, needs_grad=needs_grad)
     if name == "reference":
         result, lse = focus_attention_reference(q, k, v, groups.ids, window=window, causal=causal, scale=scale,
                                                 softcap=softcap, attn_mask=attn_mask, out=out)
         return (result, lse.float()) if return_lse else result
     if name == "dense":
         result, lse = _dense(q, k, v, groups.ids, window=window, causal=causal, scale=scale, attn_mask=attn_mask), None
+    elif name == "sdpa":
+        result, lse = focus_attention_sdpa(q, k, v, groups, window=window, causal=causal, scale=scale)
+    elif name == "flex":
+        result, lse = focus_attention_flex(q, k, v, groups, window=window, causal=causal, scale=scale, softcap=softcap)
     elif q.shape[2] == k.shape[2]:
         from .triton_prefill import focus_attention_triton
         result, lse = focus_attention_triton(q, k, v, groups.ids, groups.bits, num_groups=groups.num_groups,
@@ -95,8 +111,9 @@ def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, cau
 
     Raises ValueError when an explicitly requested backend cannot serve the call."""
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     return _resolve(q, k, groups.num_groups, causal=bool(causal), softcap=softcap, attn_mask=attn_mask, backend=backend,
-                    return_lse=return_lse)
+                    return_lse=return_lse, needs_grad=needs_grad)
 
 
 def _triton_blocker(q, k, num_groups, causal, attn_mask) -> Optional[str]:
@@ -113,10 +130,22 @@ def _triton_blocker(q, k, num_groups, causal, attn_mask) -> Optional[str]:
     return None
 
 
-def _resolve(q, k, num_groups, *, causal, softcap, attn_mask, backend, return_lse) -> tuple[str, str]:
+def _resolve(q, k, num_groups, *, causal, softcap, attn_mask, backend, return_lse,
+             needs_grad=False) -> tuple[str, str]:
+    """(backend, reason) for a call; ``needs_grad``: gradients will be asked of q, k or v."""
     check_choice("backend", backend, BACKENDS)
     if backend == "reference":
         return "reference", "requested"
+    if backend == "sdpa":
+        blocker = sdpa_blocker(q, k, softcap, attn_mask)
+        if blocker:
+            fail("backend", "a call the decomposition backend can compute ('sdpa')", blocker)
+        return "sdpa", "requested"
+    if backend == "flex":
+        blocker = flex_blocker(q, k, num_groups, attn_mask, needs_grad)
+        if blocker:
+            fail("backend", "a call the FlexAttention decomposition can compute ('flex')", blocker)
+        return "flex", "requested"
     blocker = _triton_blocker(q, k, num_groups, causal, attn_mask)
     if backend == "triton":
         if blocker:

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..merge import merge_extra_partials
 from ..triton_common import dot, tanh
+from .decomposed import PlanAttention
 from .layout import group_layout, window_layout
 
 # Running maximum of an empty row: finite, so exp2(m_old - m_new) never computes inf - inf.
@@ -355,7 +356,8 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 class _Pattern:
-    """The two layouts and the settings shared by the forward and backward launches."""
+    """The two layouts and the settings shared by the forward and backward launches: the plan of a
+    :class:`~.decomposed.PlanAttention`."""
 
     def __init__(self, groups, bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device):
         self.tiles = tiling(device)
@@ -386,6 +388,12 @@ class _Pattern:
     def tables(self, layout):
         return (self.bits, layout.slot_token, layout.tile_batch, self.lower[id(layout)], layout.tile_seg_start,
                 layout.tile_seg_end)
+
+    def forward(self, q, k, v):
+        return _forward(q, k, v, self)
+
+    def backward(self, q, k, v, out, lse, grad_out):
+        return _backward(q, k, v, out, lse, grad_out, self)
 
 
 def _forward(q, k, v, pattern: _Pattern):
@@ -432,23 +440,6 @@ def _backward(q, k, v, out, lse, grad_out, pattern: _Pattern):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _FocusTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, pattern):
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out, lse = _forward(q, k, v, pattern)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pattern = pattern
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.pattern)
-        return dq, dk, dv, None
-
-
 def focus_attention_triton(q, k, v, groups, bits, *, num_groups, window, causal, scale, softcap=None):
     """Hard Focus attention through the Triton kernels. Arguments as validated by
     :func:`sieve_attn.ops.focus.attention.focus_attention`, with Tq == Tk, group ids < 63, ``bits`` = their
@@ -459,5 +450,6 @@ def focus_attention_triton(q, k, v, groups, bits, *, num_groups, window, causal,
     """
     pattern = _Pattern(groups, bits, num_groups, q.shape[0], q.shape[2], k.shape[1], window, causal, scale, softcap,
                        q.device)
-    return _FocusTriton.apply(q, k, v, pattern)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return PlanAttention.apply(q, k, v, pattern)
 

@@ -1,0 +1,434 @@
+"""Decomposition backend of hard Focus attention (``backend="sdpa"``), forward and backward: the pattern as two
+disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`), merged by log-sum-exp.
+
+- **Group set**: pairs whose tokens share a group, each counted in the lowest group the two share (DESIGN.md,
+  decision 4). Memberships are sorted by (sequence, group, position), one copy of a token per group it is in; each
+  non-empty (sequence, group) is a segment, padded at its end to the longest segment's L slots: a batch [S, H, L, D].
+  - Causal with one membership per token: ONE batched causal call over all segments (cuDNN, else flash, else the
+    memory-efficient kernel; the CPU op off CUDA). Padded keys sit after every real query of their segment, so
+    causality hides them; padded query rows are dropped.
+  - Several memberships per token (the lowest-shared-group rule), or not causal (padded keys would be seen): masked
+    calls over chunks of query slots (the memory-efficient kernel's additive bias on CUDA, the CPU op's attn_mask).
+- **Window set**: pairs with 0 <= i - j <= window whose tokens share no group, in position order. A query block of
+  P positions reads the keys from ``window`` positions before it to its own end, with a mask; blocks are batched
+  into calls of bounded size, so memory is O(T x (P + window)) at most, never T x T.
+
+Together the sets are exactly the pattern, so merging their partial results (out, lse) by log-sum-exp, with those of
+a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite.
+
+Backward (the FlashAttention-2 identity): given the final output O and log-sum-exp L of each query, a pair's gradient
+depends only on that pair: P_ij = exp(s_ij - L_i), dS_ij = P_ij (dO_i . v_j - dO_i . O_i). So each fused call's own
+backward op, fed O and L gathered into its layout in place of its own, returns its share of dq, dk, dv; the shares of
+token copies and of both sets are summed (index_add, float32). No gradient flows through lse.
+
+GQA/MQA: K and V stay per KV head. They are copied once into the sorted layout (and the window's key blocks), never
+per query head: the CPU, cuDNN and flash ops take GQA natively, the memory-efficient one runs per query head of a KV
+head's group on views of q (:mod:`.sdpa_ops`).
+
+Uneven and empty groups: only non-empty segments exist; padding costs at most S x L - E slots of the longest group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from .groups import FocusGroups
+from .sdpa_ops import causal_call, masked_family
+
+# Pair-mask elements of one masked call (its bias and group tests are as large): 2**24 keeps a call's temporaries
+# to a few hundred MiB at most, whatever T and the window.
+MASK_ELEMENTS = 2 ** 24
+# Query block of the window set: the window rounded up to a multiple of MIN_BLOCK, within [MIN_BLOCK, MAX_BLOCK].
+# A block at least as long as the window reads under twice the window's keys per query; the cap bounds one block.
+MIN_BLOCK = 64
+MAX_BLOCK = 1024
+
+
+def sdpa_blocker(q: torch.Tensor, k: torch.Tensor, softcap, attn_mask) -> Optional[str]:
+    """Why the decomposition backend cannot compute this call, or None when it can."""
+    if attn_mask is not None:
+        return "the sdpa backend takes no attn_mask"
+    if softcap is not None:
+        return "the sdpa backend takes no softcap (the fused SDPA kernels have no logit soft-capping)"
+    if q.shape[2] != k.shape[2]:
+        return f"the sdpa backend takes Tq == Tk (prefill, training), got Tq={q.shape[2]}, Tk={k.shape[2]}"
+    if q.device.type not in ("cpu", "cuda"):
+        return f"the sdpa backend takes CPU or CUDA tensors, got {q.device.type}"
+    if q.device.type == "cuda" and q.dtype == torch.float64:
+        return "the sdpa backend takes float16, bfloat16 or float32 on CUDA (its fused kernels have no float64)"
+    return None
+
+
+def focus_attention_sdpa(q, k, v, groups: FocusGroups, *, window: int, causal: bool, scale: float):
+    """Hard Focus attention through the decomposition. Arguments as validated by
+    :func:`sieve_attn.ops.focus.attention.focus_attention`, with Tq == Tk and :func:`sdpa_blocker` None.
+
+    Returns (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32). Gradients flow to q, k, v (not through lse)."""
+    plan = _Plan(groups, q.shape, window=window, causal=causal, scale=scale, device=q.device)
+    out, lse = PlanAttention.apply(q, k, v, plan)
+    return out, lse.float()
+
+
+class PlanAttention(torch.autograd.Function):
+    """Attention computed by a plan: ``plan.forward(q, k, v) -> (out, lse)`` and ``plan.backward(q, k, v, out, lse,
+    grad_out) -> (dq, dk, dv)``; out, lse and the inputs are kept for the backward, lse gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan):
+        out, lse = plan.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ctx.plan.backward(q, k, v, out, lse, grad_out), None)
+
+
+# ---------------------------------------------------------------------------------------------------- layouts
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class SortedGroups:
+    """Memberships sorted by (sequence, group, position). The S non-empty (sequence, group) pairs are segments of
+    L slots (L = the largest member count): member r of segment s sits at [s, :, r] of a [S, H, L, ...] layout,
+    later slots are padding. E memberships in all, each one copy of its token."""
+
+    segment: torch.Tensor        # [E] segment of each membership
+    rank: torch.Tensor           # [E] its slot in the segment (position order)
+    batch: torch.Tensor          # [E] its sequence
+    position: torch.Tensor       # [E] its token's position
+    counts: torch.Tensor         # [S] members of each segment
+    segment_group: torch.Tensor  # [S] group id of each segment
+    length: int                  # L
+    multi: bool                  # some token has several memberships
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, num_groups: int) -> "SortedGroups":
+        """ids: [B, T, m] int64, -1 = empty slot, every token in at least one group (validated)."""
+        batch, length, slots = ids.shape
+        flat = ids.reshape(-1)
+        entry = torch.nonzero(flat >= 0).squeeze(1)
+        token = entry // slots
+        group = flat[entry]
+        # The keys are distinct, so the order is the stable one: members of a group stay in position order.
+        key, order = torch.sort(((token // length) * num_groups + group) * length + token % length)
+        token, group, segment_key = token[order], group[order], key // length
+        new = torch.ones_like(segment_key, dtype=torch.bool)
+        new[1:] = segment_key[1:] != segment_key[:-1]
+        segment = torch.cumsum(new, 0) - 1
+        counts = torch.bincount(segment)
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
+        return cls(segment, rank, token // length, token % length, counts, group[first], length=int(counts.max()),
+                   multi=entry.numel() > batch * length)
+
+    @property
+    def num_segments(self) -> int:
+        return self.counts.numel()
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, *rest] -> [S, H, L, *rest], contiguous, zeros in the padding slots."""
+        packed = x.new_zeros(self.num_segments, x.shape[1], self.length, *x.shape[3:])
+        packed[self.segment, :, self.rank] = x[self.batch, :, self.position]
+        return packed
+
+    def rows(self, y: torch.Tensor) -> torch.Tensor:
+        """[S, H, L, *rest] -> [E, H, *rest]: the rows of the memberships."""
+        return y[self.segment, :, self.rank]
+
+    def sum_copies(self, rows: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """[E, H, *rest] -> [B, H, T, *rest]: each token's rows summed over its copies (a view, token-major)."""
+        tokens = self.batch * length + self.position
+        total = rows.new_zeros(batch * length, *rows.shape[1:]).index_add_(0, tokens, rows)
+        return total.unflatten(0, (batch, length)).transpose(1, 2)
+
+    def slot_tokens(self, length: int) -> torch.Tensor:
+        """[S, L] int64: the token (b * T + t, T = ``length``) in each slot, -1 for padding."""
+        table = torch.full((self.num_segments, self.length), -1, dtype=torch.long, device=self.counts.device)
+        table[self.segment, self.rank] = self.batch * length + self.position
+        return table
+
+
+class _TokenSets:
+    """The group memberships of every token of the batch, looked up by flat token index b * T + t; index -1 is a
+    padding token, in no group. Bit sets when the ids allow (< 63), else the id lists."""
+
+    def __init__(self, groups: FocusGroups):
+        ids = groups.ids.flatten(0, 1)  # [B*T, m]
+        self.pad = ids.shape[0]
+        if groups.bits is not None:
+            self.bits = torch.cat([groups.bits.flatten(), groups.bits.new_zeros(1)])
+            self.ids = None
+        else:
+            self.bits = None
+            self.ids = torch.cat([ids, ids.new_full((1, ids.shape[1]), -1)])
+
+    def _lookup(self, table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return table[torch.where(tokens >= 0, tokens, self.pad)]
+
+    def shared(self, q_tok: torch.Tensor, k_tok: torch.Tensor,
+               below: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[N, M, S] bool: query token q_tok[n, i] and key token k_tok[n, j] share a group, one with id < below[n]
+        when ``below`` [N] is given (the lowest-shared-group rule of segment n's group)."""
+        if self.bits is not None:
+            q_bits, k_bits = self._lookup(self.bits, q_tok), self._lookup(self.bits, k_tok)
+            if below is not None:
+                q_bits = q_bits & ((1 << below) - 1)[:, None]
+            return (q_bits[:, :, None] & k_bits[:, None, :]) != 0
+        q_ids, k_ids = self._lookup(self.ids, q_tok), self._lookup(self.ids, k_tok)  # [N, M, m], [N, S, m]
+        if below is not None:
+            q_ids = torch.where(q_ids < below[:, None, None], q_ids, -1)
+        shared = torch.zeros(*q_tok.shape, k_tok.shape[1], dtype=torch.bool, device=q_tok.device)
+        for slot in range(q_ids.shape[2]):
+            mine = q_ids[:, :, slot]
+            shared |= (mine[:, :, None, None] == k_ids[:, None]).any(-1) & (mine >= 0)[:, :, None]
+        return shared
+
+
+@dataclass(frozen=True)
+class _WindowBlocks:
+    """Query blocks of the window set: block b holds positions [b P, b P + P) and reads the keys at positions
+    [b P - W, b P + P) (W = the window, clipped to T - 1); ``per_call`` blocks of every sequence go in one call."""
+
+    block: int     # P
+    reach: int     # W
+    count: int     # blocks per sequence
+    per_call: int
+
+    @classmethod
+    def of(cls, batch: int, length: int, window: int) -> "_WindowBlocks":
+        reach = min(window, length - 1)
+        block = min(MAX_BLOCK, max(MIN_BLOCK, _round_up(reach, MIN_BLOCK)), _round_up(length, 8))
+        # A wide window makes a block's mask P x (P + W): shrink P so that one block of every sequence fits.
+        fits = MASK_ELEMENTS // (batch * (block + reach))
+        if fits < block:
+            block = max(8, fits // 8 * 8)
+        per_call = max(1, MASK_ELEMENTS // (batch * block * (block + reach)))
+        return cls(block, reach, -(-length // block), per_call)
+
+    def calls(self) -> Iterator[tuple[int, int]]:
+        """(b0, b1): the blocks of one masked call."""
+        for b0 in range(0, self.count, self.per_call):
+            yield b0, min(self.count, b0 + self.per_call)
+
+    def pad_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, *rest] -> [B, H, count * P, *rest], zeros after T."""
+        tail = self.count * self.block - x.shape[2]
+        return torch.cat([x, x.new_zeros(*x.shape[:2], tail, *x.shape[3:])], dim=2)
+
+    def pad_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, D] -> [B, H, W + count * P, D]: W zeros before position 0, zeros after T."""
+        head = x.new_zeros(*x.shape[:2], self.reach, x.shape[3])
+        return torch.cat([head, self.pad_queries(x)], dim=2)
+
+    def query_blocks(self, x: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+        """Padded queries [B, H, count * P, *rest] -> blocks b0..b1-1 as [B * n, H, P, *rest]."""
+        part = x[:, :, b0 * self.block:b1 * self.block].unflatten(2, (b1 - b0, self.block))
+        return part.transpose(1, 2).flatten(0, 1)
+
+    def unblock(self, y: torch.Tensor, batch: int) -> torch.Tensor:
+        """Inverse of :meth:`query_blocks`: [B * n, H, P, *rest] -> [B, H, n * P, *rest]."""
+        return y.unflatten(0, (batch, -1)).transpose(1, 2).flatten(2, 3)
+
+    def key_blocks(self, x: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+        """Padded keys [B, H, W + count * P, D] -> the keys of blocks b0..b1-1 as [B * n, H, P + W, D]."""
+        span = self.block + self.reach
+        part = x[:, :, b0 * self.block:b1 * self.block + self.reach].unfold(2, span, self.block)
+        return part.transpose(-1, -2).transpose(1, 2).flatten(0, 1)
+
+    def add_key_blocks(self, total: torch.Tensor, blocks: torch.Tensor, b0: int, b1: int) -> None:
+        """Adds key-block gradients [B * n, H, P + W, D] into ``total`` [B, H, W + count * P, D] (blocks overlap)."""
+        span = self.block + self.reach
+        spread = blocks.unflatten(0, (total.shape[0], b1 - b0)).transpose(1, 2).flatten(2, 3)
+        index = (torch.arange(b1 - b0, device=total.device)[:, None] * self.block
+                 + torch.arange(span, device=total.device)[None, :]).flatten()
+        total[:, :, b0 * self.block:b1 * self.block + self.reach].index_add_(2, index, spread.to(total.dtype))
+
+
+def _clear_empty(out: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor):
+    """Rows of a masked call with no allowed key get out 0 and lse -inf (kernels differ there: 0 and 0, or NaN)."""
+    empty = ~allowed.any(-1)  # [N, 1, M]
+    return out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
+
+
+def merge_rows(base, out_rows: torch.Tensor, lse_rows: torch.Tensor, token: torch.Tensor, count: int,
+               dtype: torch.dtype):
+    """Log-sum-exp merge of partial results over disjoint key sets (the rule of :mod:`sieve_attn.ops.merge`),
+    by token: partial e (out_rows [E, H, D], lse_rows [E, H]) belongs to token ``token[e]`` (a token may own
+    several); ``base`` = (out [N, H, D], lse [N, H]) holds one more for each of the N = ``count`` tokens, or is
+    None. Returns (out [N, H, D], lse [N, H]) in ``dtype``; a token with no finite partial gets 0 and -inf."""
+    out_rows, lse_rows = out_rows.to(dtype), lse_rows.to(dtype)
+    heads = lse_rows.shape[1]
+    top = lse_rows.new_full((count, heads), float("-inf")) if base is None else base[1].to(dtype)
+    top = top.scatter_reduce(0, token[:, None].expand(-1, heads), lse_rows, "amax")
+    # The shift only keeps exp() in range: a constant, whatever autograd sees of the partials (flex's lse has one).
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    weight = torch.exp(lse_rows - top[token])
+    total = top.new_zeros(count, heads).index_add_(0, token, weight)
+    out = out_rows.new_zeros(count, heads, out_rows.shape[2]).index_add_(0, token, weight[..., None] * out_rows)
+    if base is not None:
+        base_weight = torch.exp(base[1].to(dtype) - top)
+        total += base_weight
+        out += base_weight[..., None] * base[0].to(dtype)
+    filled = total > 0
+    out = torch.where(filled[..., None], out / torch.where(filled, total, 1.0)[..., None], 0.0)
+    lse = torch.where(filled, top + torch.log(torch.where(filled, total, 1.0)), float("-inf"))
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+
+class _Plan:
+    """What the forward and backward of one call share: the sorted memberships, the window blocks, the settings,
+    the causal call's family and what the fused calls saved for their backward ops."""
+
+    def __init__(self, groups: FocusGroups, shape, *, window: int, causal: bool, scale: float, device):
+        self.batch, self.length = shape[0], shape[2]
+        self.sorted = SortedGroups.of(groups.ids, groups.num_groups)
+        self.sets = _TokenSets(groups)
+        self.window, self.causal, self.scale = window, causal, scale
+        # window 0: the window set is empty (a token always shares a group with itself)
+        self.blocks = _WindowBlocks.of(self.batch, self.length, window) if window > 0 else None
+        self.fast = causal and not self.sorted.multi
+        self.masked = masked_family(torch.device(device))
+        self.causal_family = None
+        self.saved: dict = {}
+
+    # ------------------------------------------------------------------------------------------------ both sets
+
+    def forward(self, q, k, v):
+        """(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32, float64 for float64 inputs)."""
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        out_rows, lse_rows = self._group_forward(q, k, v)
+        base = self._window_forward(q, k, v) if self.blocks else None
+        out, lse = merge_rows(base, out_rows, lse_rows, self.sorted.batch * self.length + self.sorted.position,
+                              self.batch * self.length, dtype)
+        out = out.unflatten(0, (self.batch, self.length)).transpose(1, 2).to(q.dtype).contiguous()
+        return out, lse.unflatten(0, (self.batch, self.length)).transpose(1, 2).contiguous()
+
+    def backward(self, q, k, v, out, lse, grad_out):
+        """(dq, dk, dv) in the inputs' dtypes, from the final out and lse of :meth:`forward`."""
+        grads = self._group_backward(q, k, v, out, lse, grad_out)
+        if self.blocks:
+            grads = [g + w for g, w in zip(grads, self._window_backward(q, k, v, out, lse, grad_out))]
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+    # ------------------------------------------------------------------------------------------------ group set
+
+    def _group_calls(self) -> Iterator[tuple[int, int, int, int]]:
+        """(index, r0, r1, keys) of the masked same-group calls: query slots [r0, r1) of every segment against key
+        slots [0, keys)."""
+        rows = max(16, MASK_ELEMENTS // (self.sorted.num_segments * self.sorted.length) // 16 * 16)
+        for index, r0 in enumerate(range(0, self.sorted.length, rows)):
+            r1 = min(self.sorted.length, r0 + rows)
+            yield index, r0, r1, r1 if self.causal else self.sorted.length
+
+    def _group_mask(self, slot_tokens, r0: int, r1: int, keys: int) -> torch.Tensor:
+        """[S, 1, r1 - r0, keys] bool: real slots, causal in slot order (= position order within a segment), and
+        with several memberships only pairs sharing no group below the segment's."""
+        q_tok, k_tok = slot_tokens[:, r0:r1], slot_tokens[:, :keys]
+        allowed = (q_tok >= 0)[:, :, None] & (k_tok >= 0)[:, None, :]
+        if self.causal:
+            device = slot_tokens.device
+            allowed &= torch.arange(keys, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
+        if self.sorted.multi:
+            allowed &= ~self.sets.shared(q_tok, k_tok, below=self.sorted.segment_group)
+        return allowed[:, None]
+
+    def _group_forward(self, q, k, v):
+        """Partial results of the group set, one per membership: (out [E, Hq, D], lse [E, Hq])."""
+        q_s, k_s, v_s = (self.sorted.pack(t) for t in (q, k, v))
+        if self.fast:
+            self.causal_family, out_s, lse_s, self.saved["group"] = causal_call(q_s, k_s, v_s, self.scale)
+        else:
+            slot_tokens, outs, lses = self.sorted.slot_tokens(self.length), [], []
+            for index, r0, r1, keys in self._group_calls():
+                allowed = self._group_mask(slot_tokens, r0, r1, keys)
+                out, lse, self.saved[("group", index)] = self.masked.forward(
+                    q_s[:, :, r0:r1], k_s[:, :, :keys], v_s[:, :, :keys], allowed, self.scale)
+                out, lse = _clear_empty(out, lse, allowed)
+                outs.append(out)
+                lses.append(lse)
+            out_s, lse_s = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        return self.sorted.rows(out_s), self.sorted.rows(lse_s)
+
+    def _group_backward(self, q, k, v, out, lse, grad_out):
+        """The group set's share of (dq, dk, dv), float32 [B, H, T, D] (float64 for float64 inputs)."""
+        q_s, k_s, v_s, grad_s, out_s, lse_s = (self.sorted.pack(t) for t in (q, k, v, grad_out, out, lse))
+        if self.fast:
+            grads = self.causal_family.backward(grad_s, q_s, k_s, v_s, out_s, lse_s, None, self.saved["group"],
+                                                self.scale)
+        else:
+            slot_tokens, dqs = self.sorted.slot_tokens(self.length), []
+            dtype = lse.dtype
+            dk_s, dv_s = k_s.new_zeros(k_s.shape, dtype=dtype), v_s.new_zeros(v_s.shape, dtype=dtype)
+            for index, r0, r1, keys in self._group_calls():
+                dq, dk, dv = self.masked.backward(
+                    grad_s[:, :, r0:r1], q_s[:, :, r0:r1], k_s[:, :, :keys], v_s[:, :, :keys], out_s[:, :, r0:r1],
+                    lse_s[:, :, r0:r1], self._group_mask(slot_tokens, r0, r1, keys), self.saved[("group", index)],
+                    self.scale)
+                dqs.append(dq)
+                dk_s[:, :, :keys] += dk
+                dv_s[:, :, :keys] += dv
+            grads = torch.cat(dqs, dim=2), dk_s, dv_s
+        return [self.sorted.sum_copies(self.sorted.rows(g).to(lse.dtype), self.batch, self.length) for g in grads]
+
+    # ------------------------------------------------------------------------------------------------ window set
+
+    def _window_mask(self, b0: int, b1: int, device) -> torch.Tensor:
+        """[B * n, 1, P, P + W] bool: the window set's pairs among blocks b0..b1-1 (real positions, 0 <= i - j <=
+        window, no shared group)."""
+        blocks, length = self.blocks, self.length
+        q_pos = torch.arange(b0 * blocks.block, b1 * blocks.block, device=device).view(b1 - b0, blocks.block)
+        k_pos = q_pos[:, :1] - blocks.reach + torch.arange(blocks.block + blocks.reach, device=device)
+        distance = q_pos[:, :, None] - k_pos[:, None, :]
+        q_real, k_real = q_pos < length, (k_pos >= 0) & (k_pos < length)
+        local = (distance >= 0) & (distance <= self.window) & q_real[:, :, None] & k_real[:, None, :]
+        offsets = torch.arange(self.batch, device=device)[:, None, None] * length
+        q_tok = torch.where(q_real, q_pos + offsets, -1).flatten(0, 1)
+        k_tok = torch.where(k_real, k_pos + offsets, -1).flatten(0, 1)
+        allowed = local.repeat(self.batch, 1, 1) & ~self.sets.shared(q_tok, k_tok)
+        return allowed[:, None]
+
+    def _window_forward(self, q, k, v):
+        """Partial results of the window set per token: (out [B*T, Hq, D], lse [B*T, Hq])."""
+        blocks = self.blocks
+        q_pad, k_pad, v_pad = blocks.pad_queries(q), blocks.pad_keys(k), blocks.pad_keys(v)
+        outs, lses = [], []
+        for index, (b0, b1) in enumerate(blocks.calls()):
+            allowed = self._window_mask(b0, b1, q.device)
+            out, lse, self.saved[("window", index)] = self.masked.forward(
+                blocks.query_blocks(q_pad, b0, b1), blocks.key_blocks(k_pad, b0, b1),
+                blocks.key_blocks(v_pad, b0, b1), allowed, self.scale)
+            out, lse = _clear_empty(out, lse, allowed)
+            outs.append(blocks.unblock(out, self.batch))
+            lses.append(blocks.unblock(lse, self.batch))
+        out, lse = torch.cat(outs, dim=2)[:, :, :self.length], torch.cat(lses, dim=2)[:, :, :self.length]
+        return out.transpose(1, 2).flatten(0, 1), lse.transpose(1, 2).flatten(0, 1)
+
+    def _window_backward(self, q, k, v, out, lse, grad_out):
+        """The window set's share of (dq, dk, dv), float32 [B, H, T, D] (float64 for float64 inputs)."""
+        blocks, dtype = self.blocks, lse.dtype
+        q_pad, grad_pad, out_pad, lse_pad = (blocks.pad_queries(t) for t in (q, grad_out, out, lse))
+        k_pad, v_pad = blocks.pad_keys(k), blocks.pad_keys(v)
+        dk_pad, dv_pad = k_pad.new_zeros(k_pad.shape, dtype=dtype), v_pad.new_zeros(v_pad.shape, dtype=dtype)
+        dqs = []
+        for index, (b0, b1) in enumerate(blocks.calls()):
+            dq, dk, dv = self.masked.backward(
+                blocks.query_blocks(grad_pad, b0, b1), blocks.query_blocks(q_pad, b0, b1),
+                blocks.key_blocks(k_pad, b0, b1), blocks.key_blocks(v_pad, b0, b1),
+                blocks.query_blocks(out_pad, b0, b1), blocks.query_blocks(lse_pad, b0, b1),
+                self._window_mask(b0, b1, q.device), self.saved[("window", index)], self.scale)
+            dqs.append(blocks.unblock(dq.to(dtype), self.batch))
+            blocks.add_key_blocks(dk_pad, dk, b0, b1)
+            blocks.add_key_blocks(dv_pad, dv, b0, b1)
+        keys = slice(blocks.reach, blocks.reach + self.length)
+        return torch.cat(dqs, dim=2)[:, :, :self.length], dk_pad[:, :, keys], dv_pad[:, :, keys]

@@ -1,0 +1,198 @@
+"""Fused attention calls that return the log-sum-exp, and their backward passes: one small pair of functions per op
+family, each a thin wrapper of the private ATen op behind ``scaled_dot_product_attention`` (the public function
+returns no log-sum-exp).
+
+Forward ``forward(q, k, v, allowed, scale) -> (out, lse, saved)``:
+- q [N, Hq, M, D]; k, v [N, Hkv, S, D] with Hq % Hkv == 0, query head h reading KV head h // (Hq // Hkv) (GQA, MQA);
+  last dimension contiguous, other strides free.
+- ``allowed``: None for a causal call (key index <= query index, M == S), or a bool [N, 1, M, S] mask shared by the
+  heads (True = may attend), for the families with ``masked``.
+- out [N, Hq, M, D] in q's dtype; lse [N, Hq, M] natural log, float32 (float64 for float64 inputs on the CPU);
+  ``saved``: what the family's backward needs besides tensors it can recompute (dropout seeds, sequence counters).
+- A row with no allowed key has an undefined result (0 with lse 0 on the CPU, NaN in some CUDA kernels): callers
+  overwrite such rows.
+
+Backward ``backward(grad_out, q, k, v, out, lse, allowed, saved, scale) -> (dq, dk, dv)`` in the inputs' dtypes.
+``out`` and ``lse`` [N, Hq, M] are the caller's: a FlashAttention-2 backward reads only P = exp(s - lse) and
+delta = rowsum(grad_out * out), so the final (merged) output and log-sum-exp of the query rows give this call's share
+of the exact gradient. No gradient flows through lse.
+
+Families (schemas as in torch 2.11 and 2.13; tests/ops/test_focus_sdpa.py checks them against the installed torch):
+- ``cpu``: ``_scaled_dot_product_flash_attention_for_cpu``; causal or masked (additive ``attn_mask``), GQA native.
+- ``cudnn``: ``_scaled_dot_product_cudnn_attention``; causal only here, GQA native.
+- ``flash``: ``_scaled_dot_product_flash_attention``; causal only, GQA native.
+- ``efficient``: ``_scaled_dot_product_efficient_attention``; causal or masked (additive bias). Its kernel takes no
+  GQA, so it runs once per query head of each KV head's group (a view of q); K and V are never copied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+_ATEN = torch.ops.aten
+# The memory-efficient kernel reads bias rows in aligned vectors: SDPA pads its masks' rows to this many elements.
+_BIAS_ALIGN = 16
+# The memory-efficient kernel's log-sum-exp rows are padded to a multiple of this many queries.
+_LSE_ALIGN = 32
+
+
+@dataclass(frozen=True)
+class Family:
+    """One op family: its forward and backward (see the module docstring) and whether it takes a mask."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+    masked: bool
+
+
+def additive_bias(allowed: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
+    """[N, 1, M, S] additive mask in ``dtype``: 0 where ``allowed``, -inf elsewhere (what SDPA makes of a bool mask).
+    Rows are allocated with a multiple of ``align`` elements, then sliced to S."""
+    n, _, m, s = allowed.shape
+    width = -(-s // align) * align
+    bias = torch.full((n, 1, m, width), float("-inf"), dtype=dtype, device=allowed.device)[..., :s]
+    return bias.masked_fill_(allowed, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------- cpu
+
+def cpu_forward(q, k, v, allowed, scale):
+    bias = None if allowed is None else additive_bias(allowed, q.dtype)
+    out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, allowed is None, attn_mask=bias,
+                                                                 scale=scale)
+    return out, lse, None
+
+
+def cpu_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
+    bias = None if allowed is None else additive_bias(allowed, q.dtype)
+    return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, allowed is None, attn_mask=bias, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------------- cudnn (CUDA)
+
+def cudnn_forward(q, k, v, allowed, scale):
+    """Causal only; lse comes as [N, Hq, M, 1]."""
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _ATEN._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out, lse.squeeze(-1), (seed, offset, cum_q, cum_k, max_q, max_k)
+
+
+def cudnn_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
+    seed, offset, cum_q, cum_k, max_q, max_k = saved
+    return _ATEN._scaled_dot_product_cudnn_attention_backward(
+        grad_out, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0,
+        True, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------------- flash (CUDA)
+
+def flash_forward(q, k, v, allowed, scale):
+    """Causal only; lse comes as [N, Hq, M]."""
+    out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = _ATEN._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+
+
+def flash_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
+    cum_q, cum_k, max_q, max_k, rng_state, unused = saved
+    return _ATEN._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused,
+        scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------------- efficient (CUDA)
+
+def _query_groups(q: torch.Tensor, kv_heads: int) -> list[torch.Tensor]:
+    """The G = Hq // Hkv views [N, Hkv, M, ...] of q whose head j reads KV head j (query heads j*G + g)."""
+    grouped = q.unflatten(1, (kv_heads, q.shape[1] // kv_heads))
+    return [grouped[:, :, g] for g in range(grouped.shape[2])]
+
+
+def _interleave(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`_query_groups`: G tensors [N, Hkv, M, ...] -> [N, Hkv * G, M, ...]."""
+    return torch.stack(parts, dim=2).flatten(1, 2)
+
+
+def _efficient_bias(allowed, q, kv_heads):
+    if allowed is None:
+        return None
+    return additive_bias(allowed, q.dtype, _BIAS_ALIGN).expand(-1, kv_heads, -1, -1)
+
+
+def efficient_forward(q, k, v, allowed, scale):
+    """One call per query head of a KV head's group; lse comes as [N, Hkv, M rounded up to 32]."""
+    bias, queries = _efficient_bias(allowed, q, k.shape[1]), q.shape[2]
+    outs, lses, saved = [], [], []
+    for q_g in _query_groups(q, k.shape[1]):
+        out, lse, seed, offset = _ATEN._scaled_dot_product_efficient_attention(
+            q_g, k, v, bias, True, 0.0, allowed is None, scale=scale)
+        outs.append(out)
+        lses.append(lse[..., :queries])
+        saved.append((seed, offset))
+    return _interleave(outs), _interleave(lses), saved
+
+
+def efficient_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
+    bias, kv_heads, queries = _efficient_bias(allowed, q, k.shape[1]), k.shape[1], q.shape[2]
+    padded = lse.new_zeros(*lse.shape[:2], -(-queries // _LSE_ALIGN) * _LSE_ALIGN)
+    padded[..., :queries] = lse
+    # Contiguous copies of each head group's rows: what the forward returned had that layout.
+    parts = zip(*(map(torch.Tensor.contiguous, _query_groups(t, kv_heads)) for t in (q, grad_out, out, padded)),
+                saved)
+    dqs, dk, dv = [], 0, 0
+    for q_g, grad_g, out_g, lse_g, (seed, offset) in parts:
+        dq_g, dk_g, dv_g, _ = _ATEN._scaled_dot_product_efficient_attention_backward(
+            grad_g, q_g, k, v, bias, out_g, lse_g, seed, offset, 0.0, [True, True, True, False], allowed is None,
+            scale=scale)
+        dqs.append(dq_g)
+        dk, dv = dk + dk_g.float(), dv + dv_g.float()
+    return _interleave(dqs), dk.to(k.dtype), dv.to(v.dtype)
+
+
+FAMILIES = {family.name: family for family in (
+    Family("cpu", cpu_forward, cpu_backward, masked=True),
+    Family("cudnn", cudnn_forward, cudnn_backward, masked=False),
+    Family("flash", flash_forward, flash_backward, masked=False),
+    Family("efficient", efficient_forward, efficient_backward, masked=True),
+)}
+
+
+# ---------------------------------------------------------------------------------------------------- choosing
+
+def masked_family(device: torch.device) -> Family:
+    """The family of the masked calls on ``device``."""
+    return FAMILIES["efficient" if device.type == "cuda" else "cpu"]
+
+
+def causal_families(q, k, v) -> list[Family]:
+    """Families that may take a causal call on these inputs, fastest first: cuDNN, then flash (each when PyTorch's
+    own SDPA dispatcher says it can), then the memory-efficient kernel; the CPU family off CUDA."""
+    if q.device.type != "cuda":
+        return [FAMILIES["cpu"]]
+    usable = {"cudnn": torch.backends.cuda.can_use_cudnn_attention,
+              "flash": torch.backends.cuda.can_use_flash_attention}
+    return [FAMILIES[name] for name, check in usable.items() if _dispatcher_allows(check, q, k, v)] + \
+        [FAMILIES["efficient"]]
+
+
+def _dispatcher_allows(check: Callable, q, k, v) -> bool:
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1])
+    except TypeError:  # another SDPAParams signature: try the op, the caller falls back if it refuses
+        return True
+    return bool(check(params, False))
+
+
+def causal_call(q, k, v, scale) -> tuple[Family, torch.Tensor, torch.Tensor, Optional[object]]:
+    """(family, out, lse, saved) of a causal call by the first of :func:`causal_families` that takes it."""
+    refusals = []
+    for family in causal_families(q, k, v):
+        try:
+            return (family, *family.forward(q, k, v, None, scale))
+        except RuntimeError as error:  # a kernel that refuses these shapes: try the next one
+            refusals.append(f"{family.name}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+    raise RuntimeError("no fused attention op took the causal same-group call; " + "; ".join(refusals))

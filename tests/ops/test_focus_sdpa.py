@@ -1,0 +1,221 @@
+"""Decomposition backend of hard Focus attention (backend="sdpa") against the fp64 reference; and the helpers every
+fast Focus backend's tests share (tests/ops/test_focus_triton.py imports them).
+
+Rule (FlashAttention's): the backend's error against fp64 is at most twice the error of PyTorch's own attention in
+the same dtype (SDPA with the pattern as a mask, ``backend="dense"``) against fp64, for the output and for dq, dk, dv.
+On the CPU the fused calls are ``_scaled_dot_product_flash_attention_for_cpu``; on a GPU the same tests run the CUDA
+families (cuDNN, flash, memory-efficient), and the family tests below force each one in turn.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sieve_attn.ops.focus.decomposed as decomposed
+from sieve_attn.ops.focus import sdpa_ops
+from sieve_attn.ops.focus.attention import focus_attention, focus_backend
+from sieve_attn.ops.focus.decomposed import SortedGroups
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F32, BF16 = torch.float32, torch.bfloat16
+# Absolute floor of the bound: float32 SDPA can be within 1e-7 of fp64, closer than any other summation order.
+FLOOR = {F32: 2e-6, BF16: 1e-3}
+
+
+# ---------------------------------------------------------------------------------------------------- shared helpers
+
+def make_groups(batch, length, num_groups, slots, seed, spread=1, offset=0):
+    """[B, T, slots] distinct random ids; with 2 slots every third token leaves its second slot empty (-1), and the
+    first token (a sink) joins every group. Real ids become id * spread + offset (spread > 1 leaves groups empty,
+    an offset past 62 makes the ids too large for bit sets)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_groups, generator=gen)[:slots] for _ in range(batch * length)])
+    ids = ids.view(batch, length, slots)
+    if slots > 1:
+        ids[:, ::3, 1] = -1
+        sink = torch.arange(num_groups).expand(batch, 1, num_groups)
+        ids = torch.cat([ids, ids.new_full((batch, length, num_groups - slots), -1)], dim=-1)
+        ids[:, :1] = sink
+    ids = torch.where(ids >= 0, ids * spread + offset, ids)
+    return ids.to(DEVICE)
+
+
+def run_backend(q, k, v, groups, backend, grads=True, **kw):
+    """[out, dq, dk, dv] of focus_attention with ``backend``, for a fixed output gradient ([out] without ``grads``,
+    computed under no_grad)."""
+    if not grads:
+        with torch.no_grad():
+            return [focus_attention(q, k, v, groups, backend=backend, **kw)]
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = focus_attention(q, k, v, groups, backend=backend, **kw)
+    grad = torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape).to(out.dtype)
+    out.backward(grad)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def check_against_reference(case: str, spec: tuple, backend: str, spread: int = 1, offset: int = 0,
+                            grads: bool = True) -> None:
+    """Runs ``spec`` = (batch, q_heads, kv_heads, length, head_dim, num_groups, slots, window, causal, softcap,
+    dtype) with ``backend``; out, dq, dk, dv (out alone without ``grads``) must meet FlashAttention's rule against
+    the fp64 reference."""
+    batch, hq, hkv, length, dim, num_groups, slots, window, causal, softcap, dtype = spec
+    gen = torch.Generator().manual_seed(len(case))
+    q, k, v = (torch.randn(batch, h, length, dim, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
+    groups = make_groups(batch, length, num_groups, slots, seed=len(case), spread=spread, offset=offset)
+    kw = dict(window=window, causal=causal, softcap=softcap, grads=grads)
+    exact = run_backend(q.double(), k.double(), v.double(), groups, "reference", **kw)
+    fast = run_backend(q.to(dtype), k.to(dtype), v.to(dtype), groups, backend, **kw)
+    # PyTorch's own low-precision attention: SDPA with the pattern mask (it has no softcap: then the reference).
+    baseline = run_backend(q.to(dtype), k.to(dtype), v.to(dtype), groups, "reference" if softcap else "dense", **kw)
+    for name, got, ref, base in zip(("out", "dq", "dk", "dv"), fast, exact, baseline):
+        assert not torch.isnan(got).any(), name
+        err = (got.double() - ref).abs().max().item()
+        bound = 2 * (base.double() - ref).abs().max().item() + FLOOR[dtype]
+        assert err <= bound, f"{case} {name}: error {err:.3g} > bound {bound:.3g}"
+
+
+def check_lse_and_out(backend: str) -> None:
+    """lse against the fp64 reference's, and ``out`` (poisoned with NaN) written in place and returned."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 50, 16, generator=gen).to(DEVICE) for _ in range(3))
+    groups = make_groups(1, 50, 4, 2, seed=3)
+    ref, ref_lse = focus_attention(q.double(), k.double(), v.double(), groups, window=4, backend="reference",
+                                   return_lse=True)
+    out = torch.full_like(q, float("nan"))
+    got, lse = focus_attention(q, k, v, groups, window=4, backend=backend, return_lse=True, out=out)
+    assert got.data_ptr() == out.data_ptr() and lse.dtype == torch.float32
+    assert (got.double() - ref).abs().max() < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------- sdpa backend
+
+# (batch, q_heads, kv_heads, length, head_dim, num_groups, slots, window, causal, softcap, dtype); odd lengths
+CASES = {
+    "mha-top1": (1, 2, 2, 63, 16, 3, 1, 5, True, None, F32),
+    "gqa-top2-sink": (2, 4, 2, 70, 32, 4, 2, 7, True, None, F32),
+    "mqa-top2-noncausal": (1, 3, 1, 45, 16, 5, 2, 3, False, None, F32),
+    "one-group-window-past-end": (1, 2, 2, 40, 16, 1, 1, 100, True, None, F32),
+    "gqa-top1-noncausal-empty-groups": (2, 4, 2, 57, 16, 4, 1, 6, False, None, F32),
+    "top3-noncausal-ids-past-63": (1, 2, 1, 50, 16, 4, 3, 11, False, None, F32),
+    "long-groups-bf16": (1, 2, 1, 150, 16, 2, 1, 40, True, None, BF16),
+    "window0-bf16-top2": (1, 2, 2, 97, 64, 3, 2, 0, True, None, BF16),
+    "mqa-top1-ids-past-63-bf16": (1, 4, 1, 77, 32, 5, 1, 9, True, None, BF16),
+}
+# Group ids id * spread + offset: every third group empty; ids past 62 (no bit sets, the id-list path)
+SPREAD = {"gqa-top1-noncausal-empty-groups": 3}
+OFFSET = {"top3-noncausal-ids-past-63": 60, "mqa-top1-ids-past-63-bf16": 70}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_forward_and_backward(case):
+    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
+
+
+@pytest.mark.parametrize("case", ["gqa-top2-sink", "mqa-top2-noncausal", "long-groups-bf16",
+                                  "gqa-top1-noncausal-empty-groups"])
+def test_many_small_calls_match_reference(case, monkeypatch):
+    # Blocks of 8 positions and masks of a few hundred pairs: several window blocks per call, several calls per
+    # set, windows wider than a block, and chunks of query slots in the masked same-group calls.
+    monkeypatch.setattr(decomposed, "MIN_BLOCK", 8)
+    monkeypatch.setattr(decomposed, "MASK_ELEMENTS", 700)
+    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
+
+
+def test_returns_lse_of_the_reference_and_writes_out():
+    check_lse_and_out("sdpa")
+
+
+def test_sorted_groups_pack_segments_in_position_order():
+    groups = torch.tensor([[[1, -1], [0, 1], [1, -1], [0, -1], [1, 0]],
+                           [[2, -1], [2, -1], [0, -1], [2, -1], [2, -1]]])
+    layout = SortedGroups.of(groups, num_groups=3)
+    # segments: (seq 0, group 0) = tokens 1, 3, 4; (0, 1) = 0, 1, 2, 4; (1, 0) = 2; (1, 2) = 0, 1, 3, 4; the empty
+    # (0, 2) and (1, 1) have none. L = 4: the first and third segments are padded at their end.
+    assert layout.counts.tolist() == [3, 4, 1, 4] and layout.segment_group.tolist() == [0, 1, 0, 2]
+    assert layout.length == 4 and layout.multi
+    assert layout.slot_tokens(5).tolist() == [[1, 3, 4, -1], [0, 1, 2, 4], [7, -1, -1, -1], [5, 6, 8, 9]]
+    x = torch.arange(10.0).view(2, 1, 5)  # [B, H, T]: the value is the flat token index
+    packed = layout.pack(x)
+    assert packed.shape == (4, 1, 4) and packed[:, 0].tolist() == [[1, 3, 4, 0], [0, 1, 2, 4], [7, 0, 0, 0],
+                                                                   [5, 6, 8, 9]]
+    # the rows of the memberships, summed per token, count tokens 1 and 4 of sequence 0 twice
+    assert layout.sum_copies(layout.rows(packed), 2, 5)[:, 0].tolist() == [[0, 2, 2, 3, 8], [5, 6, 7, 8, 9]]
+
+
+def test_explicit_sdpa_refuses_what_it_cannot_compute():
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    groups = torch.zeros(1, 8, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="backend: .*takes no attn_mask"):
+        focus_attention(q, q, q, groups, backend="sdpa",
+                        attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="backend: .*takes no softcap"):
+        focus_attention(q, q, q, groups, backend="sdpa", softcap=3.0)
+    with pytest.raises(ValueError, match="backend: .*Tq == Tk"):
+        focus_attention(q[:, :, :3], q, q, groups, backend="sdpa")
+    assert focus_backend(q, q, groups, backend="sdpa") == ("sdpa", "requested")
+    assert focus_backend(q, q, groups)[0] != "sdpa"  # auto never picks it
+
+
+# ---------------------------------------------------------------------------------------------------- op families
+
+# Argument names, in order, of the private ops as sdpa_ops calls them (positionally up to the '*').
+SCHEMAS = {
+    "_scaled_dot_product_flash_attention_for_cpu":
+        "query key value dropout_p is_causal attn_mask scale",
+    "_scaled_dot_product_flash_attention_for_cpu_backward":
+        "grad_out query key value out logsumexp dropout_p is_causal attn_mask scale",
+    "_scaled_dot_product_cudnn_attention":
+        "query key value attn_bias compute_log_sumexp dropout_p is_causal return_debug_mask scale",
+    "_scaled_dot_product_cudnn_attention_backward":
+        "grad_out query key value out logsumexp philox_seed philox_offset attn_bias cum_seq_q cum_seq_k max_q max_k "
+        "dropout_p is_causal scale",
+    "_scaled_dot_product_flash_attention":
+        "query key value dropout_p is_causal return_debug_mask scale",
+    "_scaled_dot_product_flash_attention_backward":
+        "grad_out query key value out logsumexp cum_seq_q cum_seq_k max_q max_k dropout_p is_causal philox_seed "
+        "philox_offset scale",
+    "_scaled_dot_product_efficient_attention":
+        "query key value attn_bias compute_log_sumexp dropout_p is_causal scale",
+    "_scaled_dot_product_efficient_attention_backward":
+        "grad_out_ query key value attn_bias out logsumexp philox_seed philox_offset dropout_p grad_input_mask "
+        "is_causal scale",
+}
+
+
+@pytest.mark.parametrize("op", SCHEMAS)
+def test_private_ops_take_the_arguments_we_pass(op):
+    schema = getattr(torch.ops.aten, op).default._schema
+    assert " ".join(argument.name for argument in schema.arguments) == SCHEMAS[op]
+
+
+@pytest.mark.parametrize("name, masked", [("cudnn", False), ("flash", False), ("efficient", False),
+                                          ("efficient", True)])
+def test_cuda_families_plumb_gqa_shapes(name, masked):
+    # Meta tensors run the ops' shape functions: argument order, the lse layouts and the per-head-group loop of the
+    # memory-efficient kernel are checked without a GPU (numbers are checked by the GPU tests below).
+    family = sdpa_ops.FAMILIES[name]
+    q = torch.empty(3, 4, 10, 16, device="meta", dtype=BF16)
+    k, v = (torch.empty(3, 2, 10, 16, device="meta", dtype=BF16) for _ in range(2))
+    allowed = torch.ones(3, 1, 10, 10, dtype=torch.bool, device="meta") if masked else None
+    out, lse, saved = family.forward(q, k, v, allowed, 0.25)
+    assert out.shape == (3, 4, 10, 16) and lse.shape == (3, 4, 10)
+    dq, dk, dv = family.backward(out, q, k, v, out, lse.float(), allowed, saved, 0.25)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA op families need a GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("case", ["mha-top1", "long-groups-bf16", "mqa-top1-ids-past-63-bf16"])
+def test_each_cuda_causal_family_matches_reference(name, case, monkeypatch):
+    spec = CASES[case][:-1] + (BF16,)  # cuDNN and flash take 16-bit inputs only
+    monkeypatch.setattr(decomposed, "causal_call", _only_family(sdpa_ops.FAMILIES[name]))
+    check_against_reference(case, spec, "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
+
+
+def _only_family(family):
+    def call(q, k, v, scale):
+        return (family, *family.forward(q, k, v, None, scale))
+    return call
