@@ -104,7 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "output); --method dense fine-tunes the plain model on the same data, the baseline to compare "
                     "with. Held-out perplexity (causal) is measured before and after. Writes OUT/model.safetensors "
                     "(the weights), OUT/adapter (the SFA config) and OUT/result.json; checkpoints atomically "
-                    "(--resume continues).")
+                    "(--resume continues). Runs on several processes when started by `accelerate launch` or "
+                    "`torchrun`: each takes an equal share of every batch (--batch-size must be a multiple of the "
+                    "number of processes) and gradients are averaged; the model is replicated (every process starts "
+                    "from rank 0's weights), or sharded with an FSDP2 launch configuration (weights, gradients and "
+                    "optimizer state). Every process computes the held-out perplexity on all --eval-windows windows "
+                    "(a sharded model needs every process for each forward); rank 0 alone prints it and writes the "
+                    "files, in the one-process format (a checkpoint resumes on any number of processes).")
     _model_args(tune)
     tune.add_argument("--method", choices=("sfa", "dense"), default="sfa", help="sfa (default) or dense")
     tune.add_argument("--topk", type=int, default=16, help="SFA: coordinates of q and k kept (16)")
@@ -263,28 +269,38 @@ def cmd_finetune(args) -> int:
     from . import SFAConfig, compose, save_adapter
     from .eval.perplexity import perplexity
     from .eval.report import environment, write_json
+    from .train import distributed
     from .train.finetune import FinetuneSettings, finetune
 
     started = time.time()
-    model, tokenizer = _setup(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
+    model, tokenizer = distributed.load_for_training(args.model, device=args.device)
     if args.method == "sfa":
         compose(model, SFAConfig(topk=args.topk))
+    runtime = distributed.runtime(args.batch_size)
+    runtime.place(model)  # an FSDP launch shards it here, so that every process can take part in evaluating it
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
-    before = perplexity(model, held_out, desc="before")
+    before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight)
     result = finetune(model, windows, args.out, settings, resume=args.resume)
-    after = perplexity(model, held_out, desc="after")
-    if args.method == "sfa":
-        save_adapter(model, args.out / "adapter")
-    record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
-              "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
-              "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
-              "history": result["history"], "seconds": round(time.time() - started), "environment": environment()}
-    write_json(record, args.out / "result.json")
-    print(f"{args.method}{'' if args.method == 'dense' else f' top-{args.topk}'}: held-out PPL "
-          f"{before['ppl']:.3f} before, {after['ppl']:.3f} after {args.steps} steps; wrote {args.out / 'result.json'}")
+    after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
+    if runtime.is_main:
+        if args.method == "sfa":
+            save_adapter(model, args.out / "adapter")
+        record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
+                  "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
+                  "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
+                  "history": result["history"], "seconds": round(time.time() - started),
+                  "environment": environment()}
+        write_json(record, args.out / "result.json")
+        print(f"{args.method}{'' if args.method == 'dense' else f' top-{args.topk}'}: held-out PPL "
+              f"{before['ppl']:.3f} before, {after['ppl']:.3f} after {args.steps} steps; "
+              f"wrote {args.out / 'result.json'}")
+    distributed.finish()
     return 0
 
 

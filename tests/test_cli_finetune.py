@@ -10,7 +10,11 @@ def test_help_explains_finetune(capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["finetune", "--help"])
     assert exit_info.value.code == 0
-    assert "--matching-weight" in capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
+    assert "--matching-weight" in text
+    # Several processes: the split of each batch, and who evaluates and writes.
+    assert "`accelerate launch`" in text and "--batch-size must be a multiple of the number of processes" in text
+    assert "Every process computes the held-out perplexity" in text and "rank 0 alone prints it" in text
 
 
 @pytest.mark.slow

@@ -13,5 +13,12 @@ def save_checkpoint(state: dict, path) -> None:
 
 
 def load_checkpoint(path) -> dict | None:
+    """The checkpoint at ``path`` (tensors on the CPU), or None when there is none.
+
+    Its tensors are memory-mapped, copy-on-write (the file never changes): under a launcher every process opens the
+    checkpoint, and the processes share the pages they read instead of each holding a private copy of a fine-tuned
+    model's weights and optimizer state. A tensor that stays in use on the CPU (a CPU run's optimizer state after
+    resuming) keeps this version of the file mapped, and its disk space held, until it is freed.
+    """
     path = Path(path)
-    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True) if path.is_file() else None

@@ -1,23 +1,27 @@
-"""Router-only retrofit across several processes, through accelerate (``accelerate launch`` or ``torchrun``).
+"""Training across several processes, through accelerate (``accelerate launch`` or ``torchrun``).
 
-:func:`~sieve_attn.train.retrofit.retrofit` follows these rules whenever the launcher started more than one process
-(``WORLD_SIZE`` > 1); in one plain process nothing here runs.
+:func:`~sieve_attn.train.retrofit.retrofit` (router-only) and :func:`~sieve_attn.train.finetune.finetune` (every
+weight of the model) follow these rules whenever the launcher started more than one process (``WORLD_SIZE`` > 1);
+in one plain process nothing here runs.
 
 - Data. Step s trains on the same global batch of ``batch_size`` windows that one process would use. With W
   processes, rank r takes the r-th contiguous slice of ``batch_size / W`` of them, so ``batch_size`` must be a
   multiple of W. Every window has the same length, so the mean over ranks of each rank's mean loss is the loss of the
-  global batch: the loss curve, the gradients and the trained routers are those of one process, up to float rounding.
-- Routers. Replicated on every rank, never sharded (a 70B model has 10.5M router parameters, 42 MB in float32). Every
-  rank starts from rank 0's routers; gradients are averaged by one all-reduce per step; the running group biases
-  (each rank's forward updates them from its own share) are averaged after every step, which gives the biases of
-  one process because the update is linear. The optimizer states are thus the same on every rank, and checkpoints
-  and adapters are written by rank 0 alone, in the single-process format: a checkpoint of W processes resumes in any
-  number of processes. ``train_routing="causal"`` is refused: it uses the biases in the very forward that updates
-  them, which would then differ between processes.
-- Base model. Frozen, so nothing of it is synchronised. Replicated by default (every rank holds it on its own device,
-  as under DDP), or sharded with FSDP2 when the launch carries an FSDP configuration (``accelerate launch --use_fsdp
-  --fsdp_version 2 ...``): accelerate's FSDP2 routine shards the base while the Focus layers are taken out, so the
-  routers stay plain replicated tensors.
+  global batch (and likewise fine-tuning's output-matching term, a mean over equally many elements per window): the
+  loss curve, the gradients and the trained weights are those of one process, up to float rounding.
+- The model, replicated (the default, DDP-style). Every rank holds the whole model on its own device and starts from
+  rank 0's values of what it trains (as DDP does). The gradients of the trained tensors are averaged by all-reduces
+  of buckets of at most ``BUCKET_ELEMENTS`` values each step, so the optimizer states are the same on every rank.
+- The model, sharded with FSDP2 when the launch carries an FSDP configuration (``accelerate launch --use_fsdp
+  --fsdp_version 2 ...``): accelerate's FSDP2 routine shards it while the Focus layers are taken out, so routers stay
+  plain replicated tensors (treated as above). FSDP2 averages the gradients of the sharded weights itself (a
+  reduce-scatter): they are not averaged again. Retrofit shards a frozen base; fine-tuning trains the sharded
+  weights, and its optimizer, built after sharding, holds only this rank's shards of them.
+- Files. Checkpoints, adapters and weights are written by rank 0 alone, in the single-process format (sharded
+  tensors are gathered first): a checkpoint of W processes resumes in any number of processes.
+- Retrofit's running group biases (each rank's forward updates them from its own share) are averaged after every
+  step, which gives the biases of one process because the update is linear. ``train_routing="causal"`` is refused:
+  it uses the biases in the very forward that updates them, which would then differ between processes.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .._checks import fail
 from ..integrations.transformers import LAYER_ATTR, adapter_state, attention_modules
@@ -91,7 +96,7 @@ def fsdp_plugin(accelerator):
 
 
 def load_for_training(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model in eval mode, tokenizer) for retrofit, placed for this process.
+    """(model in eval mode, tokenizer) for retrofit or fine-tuning, placed for this process.
 
     One process: on ``device``. Several with a replicated base: on the rank's own device. Several with FSDP: left
     where ``from_pretrained`` puts it, the CPU, which FSDP shards onto the devices; under FSDP's CPU-RAM-efficient
@@ -131,13 +136,24 @@ def local_share(batch_size: int, rank: int, world_size: int) -> slice:
     return slice(rank * share, (rank + 1) * share)
 
 
+# One all-reduce averages at most this many gradient values (64 MB in float32): the buffer it needs stays small next
+# to a model whose gradients would double in memory if they were concatenated all at once.
+BUCKET_ELEMENTS = 1 << 24
+
+
 class Runtime:
     """One plain process: nothing is shared. :class:`Distributed` overrides every method."""
 
     is_main = True
+    world_size = 1
 
     def place(self, model) -> None:
-        """Prepares the composed ``model`` for this process (in place)."""
+        """Prepares the composed ``model`` for this process (in place); call it again before building an optimizer
+        over parameters found after an evaluation, which may have left some of them gathered (FSDP2)."""
+
+    def replicate_(self, tensors) -> None:
+        """Gives every process rank 0's values of ``tensors`` (in place), as DDP does for a model's parameters;
+        parameters sharded by FSDP2 (DTensors) are left as they are."""
 
     def share(self, picks: list[int]) -> list[int]:
         """This process's part of a global batch given as window indices."""
@@ -146,12 +162,24 @@ class Runtime:
     def average_(self, tensors: list[torch.Tensor]) -> None:
         """Replaces each tensor by its mean over the processes (in place)."""
 
+    def average_gradients(self, params) -> None:
+        """Averages over the processes the gradients of ``params`` that FSDP2 does not average itself: those of
+        parameters it does not shard (plain tensors, not DTensors)."""
+
     def mean(self, value: torch.Tensor) -> float:
         """The mean over the processes of a scalar tensor."""
         return value.item()
 
     def wait(self) -> None:
         """Returns once every process got here."""
+
+    def write(self, write) -> None:
+        """Calls ``write()`` on the main process only and returns once it has returned there: a file written this way
+        is on disk when any process goes on (and a rank failing later cannot make the launcher stop rank 0 in the
+        middle of the write)."""
+        if self.is_main:
+            write()
+        self.wait()
 
 
 class Distributed(Runtime):
@@ -164,29 +192,35 @@ class Distributed(Runtime):
         self._share = local_share(batch_size, accelerator.process_index, self.world_size)
 
     def place(self, model) -> None:
-        if model.sieve_config.train_routing == "causal":
-            # Causal routing uses the group biases in the same forward that updates them, and here each process
-            # would update them from its own share of the batch: the routers would differ from one process's.
-            fail("train_routing", "'sinkhorn' when training on several processes (with 'causal' each process's "
-                                  "forward would use group biases of its own share of the batch)", "'causal'")
+        """Shards ``model`` with FSDP2 when the launch asks for it (a model already sharded is only resharded: see
+        :func:`_reshard`), then gives every process rank 0's Focus routers (parameters and buffers)."""
         plugin = fsdp_plugin(self.accelerator)
-        if plugin is not None:
+        if plugin is not None and _is_sharded(model):
+            _reshard(model)
+        elif plugin is not None:
             layers = _shard_base(self.accelerator, plugin, model)
             _move_layers(layers, self.accelerator.device)
-        for tensor in adapter_state(model).values():  # views of the router tensors: broadcast writes into them
-            dist.broadcast(tensor, src=0)
+        self.replicate_(adapter_state(model).values())  # views of the router tensors: broadcast writes into them
+
+    def replicate_(self, tensors) -> None:
+        with torch.no_grad():
+            for tensor in tensors:
+                if not isinstance(tensor, DTensor):
+                    dist.broadcast(tensor.detach(), src=0)
 
     def share(self, picks: list[int]) -> list[int]:
         return picks[self._share]
 
     def average_(self, tensors: list[torch.Tensor]) -> None:
-        if not tensors:
-            return
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-        dist.all_reduce(flat)  # a sum: gloo has no average
-        flat /= self.world_size
-        for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-            tensor.copy_(part.view_as(tensor))
+        for bucket in buckets(tensors, BUCKET_ELEMENTS):
+            flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
+            dist.all_reduce(flat)  # a sum: gloo has no average
+            flat /= self.world_size
+            for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                tensor.copy_(part.view_as(tensor))
+
+    def average_gradients(self, params) -> None:
+        self.average_([p.grad for p in params if p.grad is not None and not isinstance(p, DTensor)])
 
     def mean(self, value: torch.Tensor) -> float:
         total = value.detach().float().reshape(1).clone()
@@ -203,18 +237,50 @@ def runtime(batch_size: int) -> Runtime:
     return Distributed(start(), batch_size) if launched() else Runtime()
 
 
+def buckets(tensors: list[torch.Tensor], limit: int):
+    """``tensors`` cut, in order, into consecutive lists of at most ``limit`` elements in all; a tensor larger than
+    ``limit`` forms a list of its own."""
+    bucket, size = [], 0
+    for tensor in tensors:
+        if bucket and size + tensor.numel() > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += tensor.numel()
+    if bucket:
+        yield bucket
+
+
+def _is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _reshard(model) -> None:
+    """Puts every FSDP2 unit of ``model`` back in its sharded state. A forward without backward (an evaluation)
+    leaves the units that do not reshard after forward (the root, the output head) holding gathered plain tensors
+    as their parameters; an optimizer must be built over the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _shard_base(accelerator, plugin, model) -> list:
-    """Shards the frozen base of the composed ``model`` in place with accelerate's FSDP2 routine (activation
+    """Shards ``model`` (all of it but its Focus layers) in place with accelerate's FSDP2 routine (activation
     checkpointing first when the configuration asks for it); returns the Focus layers, attached again.
 
     The Focus layers are out of the model while it is sharded: FSDP then never sees the routers, which stay plain
     tensors, and accelerate's CPU-RAM-efficient loading (which expects every entry of the state dict to be sharded)
     is not confused by them. ``Accelerator.prepare`` is not used because under FSDP2 it needs an optimizer of the
-    model's parameters, and the base has none to train.
+    model's parameters, which retrofit does not have (its base is frozen) and fine-tuning can only build over the
+    sharded parameters, after sharding.
     """
     from accelerate.utils import fsdp2_apply_ac, fsdp2_prepare_model
 
-    hosts = [module for _, module in attention_modules(model)]
+    hosts = [module for _, module in attention_modules(model) if hasattr(module, LAYER_ATTR)]
     layers = [getattr(module, LAYER_ATTR) for module in hosts]
     for module in hosts:
         delattr(module, LAYER_ATTR)

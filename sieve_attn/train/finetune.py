@@ -7,21 +7,22 @@ not report its weight (spec/sfa.md section 1), hence the sweep in docs/results.m
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
-from .._checks import check_int, check_positive_float, fail
+from .._checks import fail
 from .._files import atomic_write
 from ..integrations.transformers import LAYER_ATTR, sfa_layers
-from .checkpoint import load_checkpoint, save_checkpoint
-from .schedule import lr_at
+from . import distributed, loop
 
-CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model.safetensors"
+# The module name activation checkpointing (torch's checkpoint_wrapper, which accelerate's FSDP2 routine applies)
+# inserts into parameter names; state dicts, and so the files written here, leave it out.
+_CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
 
 
 @dataclass
@@ -36,25 +37,97 @@ class FinetuneSettings:
 
 
 def _check(windows: torch.Tensor, settings: FinetuneSettings) -> None:
-    check_int("steps", settings.steps, 1)
-    check_int("batch_size", settings.batch_size, 1)
-    check_positive_float("lr", settings.lr)
+    loop.check_settings(windows, settings)
     if not isinstance(settings.matching_weight, (int, float)) or settings.matching_weight < 0:
         fail("matching_weight", "a number >= 0", repr(settings.matching_weight))
-    if windows.dim() != 2 or len(windows) == 0:
-        fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
 
 
 def base_parameters(model) -> dict[str, torch.nn.Parameter]:
-    """The model's own weights (not Focus routers), by name: what fine-tuning trains."""
-    return {name: p for name, p in model.named_parameters() if f".{LAYER_ATTR}." not in name}
+    """The model's own weights (not Focus routers), by their names in the model's state dict (without the wrapper
+    that activation checkpointing inserts), in the order of ``model.named_parameters()``: what fine-tuning trains."""
+    return {name.replace(_CHECKPOINT_WRAPPER, ""): p for name, p in model.named_parameters()
+            if f".{LAYER_ATTR}." not in name}
 
 
 def _matching_loss(layers) -> torch.Tensor | None:
+    """The mean of the matching terms the SFA ``layers`` recorded since they were last cleared (None without any);
+    clears them."""
     terms = [t for layer in layers for t in layer.matching_terms]
+    _clear(layers)
+    return torch.stack(terms).mean() if terms else None
+
+
+def _clear(layers) -> None:
     for layer in layers:
         layer.matching_terms.clear()
-    return torch.stack(terms).mean() if terms else None
+
+
+def _train_step(model, params, optimizer, layers, matching_weight: float, runtime, batch: torch.Tensor) -> tuple:
+    """One optimizer step on this process's share of a global batch; returns (LM loss, matching term or None) of
+    the global batch."""
+    lm = model(batch, labels=batch, use_cache=False).loss
+    matching = _matching_loss(layers)
+    loss = lm if matching is None else lm + matching_weight * matching
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    _clear(layers)  # activation checkpointing runs the layers again in backward, which records the terms again
+    runtime.average_gradients(params)
+    optimizer.step()
+    return runtime.mean(lm), None if matching is None else runtime.mean(matching)
+
+
+def _gather_options():
+    """Full (unsharded) state dicts on the CPU; under a process group on rank 0 alone (the other ranks get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _renumber(optimizer_state: dict, key: dict) -> dict:
+    """``optimizer_state`` with each parameter key k, in "state" and in the groups' "params", replaced by key[k]:
+    from the names torch.distributed.checkpoint uses to the numbers of ``Optimizer.state_dict()``, or back."""
+    return {"state": {key[k]: value for k, value in optimizer_state["state"].items()},
+            "param_groups": [{**group, "params": [key[k] for k in group["params"]]}
+                             for group in optimizer_state["param_groups"]]}
+
+
+def _weights(model, names: list[str]) -> dict[str, torch.Tensor]:
+    """The full tensors of the trained weights ``names``; {} except on the main process. Every process must call
+    it: FSDP2 gathers the shards."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    full = get_model_state_dict(model, options=_gather_options())
+    return {name: full[name] for name in names} if full else {}
+
+
+def _snapshot(model, optimizer, names: list[str]) -> dict:
+    """The checkpoint's {"weights", "optimizer"} in the single-process format: full tensors, the weights by name,
+    the optimizer state numbered as ``Optimizer.state_dict()`` numbers it. {} except on the main process; every
+    process must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    weights = _weights(model, names)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=_gather_options())
+    if not weights:
+        return {}
+    return {"weights": weights, "optimizer": _renumber(optimizer_state, {name: i for i, name in enumerate(names)})}
+
+
+def _restore(model, optimizer, params: dict, state: dict) -> None:
+    """Loads a checkpoint's full weights and optimizer state into ``model`` and ``optimizer``, each process taking
+    its shards when FSDP2 shards them."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    _check_weights("checkpoint", state["weights"], params)
+    # strict=False: the checkpoint holds the trained weights, not the buffers or the Focus routers.
+    set_model_state_dict(model, dict(state["weights"]), options=StateDictOptions(full_state_dict=True, strict=False))
+    names = dict(enumerate(params))
+    set_optimizer_state_dict(model, optimizer, _renumber(state["optimizer"], names),
+                             options=StateDictOptions(full_state_dict=True))
+    # Loading turns the tuples of the param groups (AdamW's betas) into lists; the checkpoints keep tuples.
+    for group in optimizer.param_groups:
+        group.update({key: tuple(v) for key, v in group.items() if key != "params" and isinstance(v, list)})
 
 
 def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings | None = None, *,
@@ -66,67 +139,62 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     ``checkpoint_every`` steps and at the end ``out_dir/checkpoint.pt`` is written atomically (weights, optimizer,
     step, history); ``resume=True`` continues from it. The weights go to ``out_dir/model.safetensors``.
     Returns {"steps", "history": [(step, lm loss, matching term or None)], "weights"}.
+
+    Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
+    same arguments: each trains on its share of every global batch (``batch_size`` must be a multiple of the number of
+    processes), gradients are averaged, the history holds means over processes, and rank 0 alone writes the
+    checkpoints and the weights (full tensors, the single-process format) and shows progress. With an FSDP launch
+    configuration the model is sharded in place (the weights, their gradients and the optimizer state); the model
+    stays sharded afterwards. The rules are in :mod:`sieve_attn.train.distributed`.
     """
     settings = settings or FinetuneSettings()
     _check(windows, settings)
-    out_dir = Path(out_dir)
+    runtime = distributed.runtime(settings.batch_size)
+    # Placing first: FSDP2 replaces the parameters by sharded ones, and gathered ones that an evaluation left in
+    # their place would take requires_grad with them when resharded.
+    runtime.place(model)
     params = base_parameters(model)
     for p in params.values():
         p.requires_grad_(True)
+    runtime.replicate_(params.values())
     layers = list(sfa_layers(model)) if settings.matching_weight > 0 else []
-    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(params.values(), lr=settings.lr, weight_decay=0.0)
-    start, history = 0, []
-    state = load_checkpoint(out_dir / CHECKPOINT) if resume else None
-    if state is not None:
-        model.load_state_dict(state["weights"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        start, history = state["step"], state["history"]
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
+    job = loop.Job("finetune",
+                   step=partial(_train_step, model, list(params.values()), optimizer, layers,
+                                settings.matching_weight, runtime),
+                   snapshot=partial(_snapshot, model, optimizer, list(params)),
+                   restore=partial(_restore, model, optimizer, params))
     model.eval()
     for layer in layers:
         layer.matching = True
     try:
-        bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc="finetune",
-                   disable=not progress)
-        for step in bar:
-            picks = [(step * settings.batch_size + i) % len(windows) for i in range(settings.batch_size)]
-            batch = windows[order[picks]].to(device)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, settings)
-            lm = model(batch, labels=batch, use_cache=False).loss
-            matching = _matching_loss(layers)
-            loss = lm if matching is None else lm + settings.matching_weight * matching
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            history.append((step + 1, lm.item(), None if matching is None else matching.item()))
-            bar.set_postfix(loss=f"{lm.item():.3f}")
-            if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
-                save_checkpoint({"step": step + 1, "weights": {n: p.detach() for n, p in params.items()},
-                                 "optimizer": optimizer.state_dict(), "history": history,
-                                 "settings": asdict(settings)}, out_dir / CHECKPOINT)
+        history = loop.run(job, windows, out_dir, settings, optimizer, runtime,
+                           device=next(model.parameters()).device, resume=resume, progress=progress)
     finally:
         for layer in layers:
             layer.matching = False
-            layer.matching_terms.clear()
+        _clear(layers)
         for p in params.values():
             p.requires_grad_(False)
-    weights = out_dir / WEIGHTS
-    tensors = {n: p.detach().contiguous().cpu() for n, p in params.items()}
-    atomic_write(weights, lambda tmp: save_file(tensors, tmp))
+    weights = Path(out_dir) / WEIGHTS
+    tensors = {name: t.contiguous() for name, t in _weights(model, list(params)).items()}
+    runtime.write(lambda: atomic_write(weights, lambda tmp: save_file(tensors, tmp)))
     return {"steps": settings.steps, "history": history, "weights": str(weights)}
+
+
+def _check_weights(what: str, tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
+    """ValueError unless ``tensors`` has exactly the names of ``own`` and their shapes."""
+    if set(tensors) != set(own):
+        fail(what, f"the {len(own)} weights of this model", f"{len(tensors)} tensors, "
+             f"missing {sorted(set(own) - set(tensors))[:2]}, unexpected {sorted(set(tensors) - set(own))[:2]}")
+    for name, tensor in tensors.items():
+        if tensor.shape != own[name].shape:
+            fail(f"{what} tensor {name}", f"shape {tuple(own[name].shape)}", tuple(tensor.shape))
 
 
 def load_weights(model, path) -> None:
     """Loads fine-tuned weights written by :func:`finetune` (``model.safetensors``) into ``model``; refuses a file
     whose tensors do not match the model's own weights in name and shape."""
     tensors = load_file(str(path))
-    own = base_parameters(model)
-    if set(tensors) != set(own):
-        fail("weights", f"the {len(own)} weights of this model", f"{len(tensors)} tensors, "
-             f"missing {sorted(set(own) - set(tensors))[:2]}, unexpected {sorted(set(tensors) - set(own))[:2]}")
-    for name, tensor in tensors.items():
-        if tensor.shape != own[name].shape:
-            fail(f"weights tensor {name}", f"shape {tuple(own[name].shape)}", tuple(tensor.shape))
+    _check_weights("weights", tensors, base_parameters(model))
     model.load_state_dict(tensors, strict=False)

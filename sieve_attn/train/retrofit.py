@@ -1,19 +1,15 @@
 """Router-only training of a composed model: the pretrained weights stay frozen, only Focus routers learn."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from .._checks import check_int, check_positive_float, fail
+from .._checks import fail
 from ..integrations.transformers import adapter_state, focus_layers, is_composed, save_adapter, set_focus_mode
-from . import distributed
-from .checkpoint import load_checkpoint, save_checkpoint
-from .schedule import lr_at
-
-CHECKPOINT = "checkpoint.pt"
+from . import distributed, loop
 
 
 @dataclass
@@ -28,18 +24,22 @@ class RetrofitSettings:
 
 def _check_arguments(model, windows: torch.Tensor, settings: RetrofitSettings) -> None:
     """ValueError unless the settings are valid, the windows are [N >= 1, T] and only Focus routers can train."""
-    check_int("steps", settings.steps, 1)
-    check_int("batch_size", settings.batch_size, 1)
-    check_positive_float("lr", settings.lr)
+    loop.check_settings(windows, settings)
     if not is_composed(model):
         fail("model", "a model composed with sieve_attn.compose", "a plain model")
-    if windows.dim() != 2 or len(windows) == 0:
-        fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
     routers = {id(p) for layer in focus_layers(model) for p in layer.parameters()}
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     others = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in routers]
     if not trainable or others:
         fail("model", "trainable parameters that are all Focus router parameters", others[:3] or "none trainable")
+
+
+def _check_routing(model, runtime) -> None:
+    """Causal routing uses the group biases in the same forward that updates them, and on several processes each
+    would update them from its own share of the batch: the routers would differ from one process's."""
+    if runtime.world_size > 1 and model.sieve_config.train_routing == "causal":
+        fail("train_routing", "'sinkhorn' when training on several processes (with 'causal' each process's "
+                              "forward would use group biases of its own share of the batch)", "'causal'")
 
 
 def _router_parameters(model) -> list[torch.nn.Parameter]:
@@ -72,8 +72,8 @@ def _copy(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         target.copy_(value)
 
 
-def _train_step(model, batch: torch.Tensor, optimizer, trainable, runtime) -> float:
-    """One optimizer step on this process's share of a global batch; returns the loss of the global batch."""
+def _train_step(model, trainable, optimizer, runtime, batch: torch.Tensor) -> tuple[float]:
+    """One optimizer step on this process's share of a global batch; returns (the loss of the global batch,)."""
     buffers = _router_buffers(model)
     before = [buffer.clone() for buffer in buffers]
     loss = model(batch, labels=batch, use_cache=False).loss
@@ -85,10 +85,15 @@ def _train_step(model, batch: torch.Tensor, optimizer, trainable, runtime) -> fl
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     _copy(buffers, after)
-    runtime.average_([p.grad for p in trainable if p.grad is not None])
+    runtime.average_gradients(trainable)
     runtime.average_(buffers)  # each process updated them from its own share of the batch
     optimizer.step()
-    return runtime.mean(loss)
+    return (runtime.mean(loss),)
+
+
+def _restore(model, optimizer, state: dict) -> None:
+    _load_routers(model, state["routers"])
+    optimizer.load_state_dict(state["optimizer"])
 
 
 def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings | None = None, *,
@@ -109,50 +114,25 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     settings = settings or RetrofitSettings()
     _check_arguments(model, windows, settings)
     runtime = distributed.runtime(settings.batch_size)
+    _check_routing(model, runtime)
     runtime.place(model)
     trainable = _router_parameters(model)  # after placing: moving the routers may have replaced them
-    out_dir = Path(out_dir)
-    device = next(model.parameters()).device
     inference_mode = model.sieve_config.mode
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=0.0)
-    start, history = 0, []
-    state = load_checkpoint(out_dir / CHECKPOINT) if resume else None
-    if state is not None:
-        _load_routers(model, state["routers"])
-        optimizer.load_state_dict(state["optimizer"])
-        start, history = state["step"], state["history"]
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
-
-    def checkpoint(step):
-        if runtime.is_main:
-            save_checkpoint({"step": step, "routers": adapter_state(model), "optimizer": optimizer.state_dict(),
-                             "history": history, "settings": asdict(settings)},
-                            out_dir / CHECKPOINT)
-        # A rank that fails later must not let the launcher stop rank 0 in the middle of this write.
-        runtime.wait()
-
+    job = loop.Job("retrofit", step=partial(_train_step, model, trainable, optimizer, runtime),
+                   snapshot=lambda: {"routers": adapter_state(model), "optimizer": optimizer.state_dict()},
+                   restore=partial(_restore, model, optimizer))
     model.eval()
     set_focus_mode(model, "train")
     for layer in focus_layers(model):
         layer.router.train()
     try:
-        bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc="retrofit",
-                   disable=not (progress and runtime.is_main))
-        for step in bar:
-            picks = [(step * settings.batch_size + i) % len(windows) for i in range(settings.batch_size)]
-            batch = windows[order[runtime.share(picks)]].to(device)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, settings)
-            history.append((step + 1, _train_step(model, batch, optimizer, trainable, runtime)))
-            bar.set_postfix(loss=f"{history[-1][1]:.3f}")
-            if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
-                checkpoint(step + 1)
+        history = loop.run(job, windows, out_dir, settings, optimizer, runtime,
+                           device=next(model.parameters()).device, resume=resume, progress=progress)
     finally:
         for layer in focus_layers(model):
             layer.router.eval()
         set_focus_mode(model, inference_mode)
-    adapter = out_dir / "adapter"
-    if runtime.is_main:
-        save_adapter(model, adapter)
-    runtime.wait()  # the adapter is on disk when any process returns
+    adapter = Path(out_dir) / "adapter"
+    runtime.write(lambda: save_adapter(model, adapter))
     return {"steps": settings.steps, "history": history, "adapter": str(adapter)}

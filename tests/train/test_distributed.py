@@ -1,28 +1,36 @@
-"""Retrofit on two processes (CPU, gloo) against one process on the same data: loss, routers, adapter, resume.
+"""Retrofit and fine-tuning on two processes (CPU, gloo) against one process on the same data: losses, trained
+tensors, file formats, resume.
 
 Every two-process run is a real launch: a subprocess runs ``accelerate launch --num_processes 2`` on this machine
 (127.0.0.1, a free port, no network). On a machine without GPUs ``--multi_gpu`` is accelerate's way to start several
-processes (through torchrun); ``retrofit``'s Accelerator then joins them over gloo on the CPU. The training scripts
-are ``distributed_worker.py`` (the tiny random Llama of tests/models.py on random token windows, and a simulated
-``kill -9``) and the ``sieve retrofit`` command itself (a tiny Llama saved to a folder with a word-level tokenizer,
+processes (through torchrun); the Accelerator of ``retrofit`` or ``finetune`` then joins them over gloo on the CPU.
+The training scripts are ``distributed_worker.py`` (the tiny random Llama of tests/models.py on random token
+windows, with Focus routers for retrofit or SFA for fine-tuning, and a simulated ``kill -9``) and the ``sieve
+retrofit`` and ``sieve finetune`` commands themselves (a tiny Llama saved to a folder with a word-level tokenizer,
 on real text).
 
-The base model is tested both ways: replicated, DDP-style (the worker; nothing of the frozen base needs
-synchronising), and sharded with FSDP2 (the command, ``--use_fsdp --fsdp_version 2`` with CPU-RAM-efficient loading,
-so the second process loads an empty model that FSDP fills, and with activation checkpointing). accelerate itself turns FSDP on only for GPUs; on the CPU
+The model is tested both ways: replicated, DDP-style (the worker), and sharded with FSDP2 (the commands,
+``--use_fsdp --fsdp_version 2`` with CPU-RAM-efficient loading, so the second process loads an empty model that FSDP
+fills, and with activation checkpointing). accelerate itself turns FSDP on only for GPUs; on the CPU
 ``sieve_attn.train.distributed.fsdp_plugin`` applies the launcher's FSDP settings, so this is accelerate's own FSDP2
-preparation and torch's ``fully_shard`` running on gloo.
+preparation and torch's ``fully_shard`` running on gloo. Retrofit keeps the sharded base frozen; fine-tuning trains
+the sharded weights, whose gradients FSDP2 reduce-scatters, and gathers weights and optimizer state for its files.
 
 Tolerances ("noise"). One process computes each step's batch of 4 windows at once; each of two processes computes 2
 of them, and their gradients are summed, then halved. CPU kernels round differently for different batch shapes
-(float32, about 1e-7 relative). Measured at the default lr 1e-2: losses agree to 2e-7 relative (tolerance 1e-5),
-router tensors to 6e-7 absolute (tolerance 1e-5). At lr 5e-2 Sinkhorn's potentials and Adam amplify the same
+(float32, about 1e-7 relative). Retrofit, measured at the default lr 1e-2: losses agree to 2e-7 relative (tolerance
+1e-5), router tensors to 6e-7 absolute (tolerance 1e-5). At lr 5e-2 Sinkhorn's potentials and Adam amplify the same
 rounding to 8e-5 after 6 steps, hence the default lr here. Against these: skipping the gradient average moves the
 losses by 4e-3 relative and the routers by 8e-2, skipping the group-bias average moves the biases by 0.5, and not
-starting every rank from rank 0's routers moves the losses by 1e-2.
+starting every rank from rank 0's routers moves the losses by 1e-2. Fine-tuning (SFA top-4, matching weight 1, lr
+3e-3), measured: LM losses and matching terms agree to 2e-7 relative (tolerance 1e-5), weights to 4e-6 absolute
+replicated and 1e-6 under FSDP2 (tolerance 3e-5; Adam's normalised steps amplify the rounding of gradients near
+zero). Against these: skipping the gradient average moves the LM losses by 0.1 relative and the weights by 2.5e-2,
+not starting every rank from rank 0's weights moves the losses by 3e-2, and an evaluation before training that
+left FSDP2's unsharded output head in place of its shards (so that it was not trained) moved them by 2e-2.
 
-Not tested here (no GPU on CPU CI): NCCL, the per-GPU memory of the docs' table, FSDP's CPU offload and mixed-precision
-policies, and several machines.
+Not tested here (no GPU on CPU CI): NCCL, the per-GPU memory of the docs' tables, FSDP's CPU offload and
+mixed-precision policies, and several machines.
 """
 from __future__ import annotations
 
@@ -42,28 +50,36 @@ from safetensors import safe_open
 
 import sieve_attn as sa
 from sieve_attn.cli import main as sieve_main
+from sieve_attn.train import distributed
 from sieve_attn.train.checkpoint import load_checkpoint
-from sieve_attn.train.distributed import Distributed, fsdp_plugin, local_share
+from sieve_attn.train.distributed import Distributed, buckets, fsdp_plugin, local_share
 from sieve_attn.train.retrofit import RetrofitSettings, retrofit
 
 try:
     from tests.models import VOCAB, threads, tiny_model
-    from tests.train.distributed_worker import composed, windows
+    from tests.train.distributed_worker import model_for, train, windows
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
     from models import VOCAB, threads, tiny_model
-    from train.distributed_worker import composed, windows
+    from train.distributed_worker import model_for, train, windows
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("distributed_worker.py")
 LAUNCH_TIMEOUT_S = 300  # a hung collective must fail the test, not stall CI
-SETTINGS = dict(steps=6, batch_size=4, lr=1e-2, warmup=1, seed=3, checkpoint_every=3)
+TASKS = ["retrofit", "finetune"]
+SETTINGS = {"retrofit": dict(steps=6, batch_size=4, lr=1e-2, warmup=1, seed=3, checkpoint_every=3),
+            "finetune": dict(steps=6, batch_size=4, lr=3e-3, warmup=1, seed=3, checkpoint_every=3,
+                             matching_weight=1.0)}
+TRAINED = {"retrofit": "adapter/adapter.safetensors", "finetune": "model.safetensors"}  # the trained tensors
+ATOL = {"retrofit": 1e-5, "finetune": 3e-5}  # on the trained tensors (module docstring)
 FSDP = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
         "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer", "--fsdp_cpu_ram_efficient_loading", "true",
         "--fsdp_activation_checkpointing", "true"]
 REPLICATED = ["--multi_gpu"]
 CLI_WINDOWS = 5  # windows of the CLI's training text: fewer than either run asks for, so both get the same ones
-CLI_ARGS = ["--context", "32", "--batch-size", "2", "--num-groups", "4", "--window", "4", "--top-k", "2",
-            "--threads", "1", "--seed", "5"]
+CLI_ARGS = {"retrofit": ["--num-groups", "4", "--window", "4", "--top-k", "2"],
+            "finetune": ["--topk", "4", "--matching-weight", "1", "--lr", "3e-3", "--eval-windows", "2"]}
+CLI_COMMON = ["--context", "32", "--batch-size", "2", "--threads", "1", "--seed", "5"]
+CLI_PRINTS = {"retrofit": "adapter saved to", "finetune": "held-out PPL"}  # what rank 0 alone prints at the end
 
 
 def _free_port() -> int:
@@ -95,37 +111,63 @@ def _ok(launch) -> subprocess.CompletedProcess:
     return run
 
 
-def _worker(out: Path, home: Path, *extra: str) -> subprocess.CompletedProcess:
-    return _launch(REPLICATED, [str(WORKER), str(out), json.dumps(SETTINGS), *extra], home)
+def _worker(task: str, out: Path, home: Path, *extra: str) -> subprocess.CompletedProcess:
+    return _launch(REPLICATED, [str(WORKER), str(out), json.dumps(SETTINGS[task]), "--task", task, *extra], home)
 
 
-def _history(out: Path) -> list[tuple[int, float]]:
+def _one_process(task: str, out: Path, *, seed: int = 0, resume: bool = False) -> None:
+    """The worker's training in this one process (its model drawn from ``seed``)."""
+    with threads(1):
+        train(task, model_for(task, seed), out, SETTINGS[task], resume=resume)
+
+
+def _history(out: Path) -> list[tuple]:
     return load_checkpoint(out / "checkpoint.pt")["history"]
 
 
-def _adapter_tensors(out: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(out / "adapter" / "adapter.safetensors"), "pt") as f:
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
-def _assert_same_training(out: Path, reference: Path) -> None:
+def _assert_same_run(task: str, out: Path, reference: Path) -> None:
+    """Same steps and history values (loss; for fine-tuning also the matching term) in the checkpoints, and the same
+    trained tensors (routers or weights): names, shapes, dtypes, and values within the module docstring's
+    tolerances."""
     got, want = _history(out), _history(reference)
-    assert [s for s, _ in got] == [s for s, _ in want]
-    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], rel=1e-5, abs=0)
-    a, b = _adapter_tensors(out), _adapter_tensors(reference)
-    assert set(a) == set(b)
+    assert [row[0] for row in got] == [row[0] for row in want]
+    values = [[value for row in history for value in row[1:]] for history in (got, want)]
+    assert values[0] == pytest.approx(values[1], rel=1e-5, abs=0)
+    a, b = _tensors(out / TRAINED[task]), _tensors(reference / TRAINED[task])
+    assert {k: (tuple(v.shape), v.dtype) for k, v in a.items()} == {k: (tuple(v.shape), v.dtype) for k, v in b.items()}
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=ATOL[task], msg=name)
 
 
-def _assert_same_adapter_format(out: Path, reference: Path) -> None:
-    """Same files, tensor names, shapes and dtypes, and the same adapter_config.json."""
+def _checkpoint_layout(out: Path) -> tuple:
+    """Keys, trained tensor names, shapes and dtypes (routers or weights), optimizer state shapes and param groups of
+    a checkpoint: what resuming depends on."""
+    state = load_checkpoint(out / "checkpoint.pt")
+    optimizer = state["optimizer"]
+    trained = state["routers"] if "routers" in state else state["weights"]
+    return (sorted(state), {k: (tuple(v.shape), v.dtype) for k, v in trained.items()},
+            {i: {k: tuple(v.shape) for k, v in entry.items()} for i, entry in optimizer["state"].items()},
+            optimizer["param_groups"])
+
+
+def _assert_same_formats(out: Path, reference: Path) -> None:
+    """The same files, the same checkpoint layout and, where there is an adapter, the same adapter files, tensor
+    names, shapes and dtypes, and adapter_config.json."""
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+    assert _checkpoint_layout(out) == _checkpoint_layout(reference)
     folder, ref = out / "adapter", reference / "adapter"
-    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in ref.iterdir())
-    shapes = {k: (tuple(v.shape), v.dtype) for k, v in _adapter_tensors(out).items()}
-    assert shapes == {k: (tuple(v.shape), v.dtype) for k, v in _adapter_tensors(reference).items()}
-    assert json.loads((folder / "adapter_config.json").read_text()) == \
-        json.loads((ref / "adapter_config.json").read_text())
+    if ref.exists():
+        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in ref.iterdir())
+        layout = [{k: (tuple(v.shape), v.dtype) for k, v in _tensors(f / "adapter.safetensors").items()}
+                  for f in (folder, ref)]
+        assert layout[0] == layout[1]
+        assert json.loads((folder / "adapter_config.json").read_text()) == \
+            json.loads((ref / "adapter_config.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -134,55 +176,50 @@ def home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> Path:
-    """The reference: the worker's training in this one process, uninterrupted, SETTINGS['steps'] steps."""
-    out = tmp_path_factory.mktemp("one_process")
-    with threads(1):
-        retrofit(composed(), windows(), out, RetrofitSettings(**SETTINGS), progress=False)
-    return out
+def runs(tmp_path_factory, home):
+    """``runs(task, processes)``: the output folder of the worker's uninterrupted training on 1 process (in this
+    one) or 2 (a launch), each run once per module."""
+    done = {}
+
+    def get(task: str, processes: int) -> Path:
+        if (task, processes) not in done:
+            out = tmp_path_factory.mktemp(f"{task}_{processes}")
+            if processes == 1:
+                _one_process(task, out)
+            else:
+                _ok(lambda: _worker(task, out, home))
+            done[task, processes] = out
+        return done[task, processes]
+
+    return get
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, home) -> Path:
-    out = tmp_path_factory.mktemp("two_processes")
-    _ok(lambda: _worker(out, home))
-    return out
+@pytest.mark.parametrize("task", TASKS)
+def test_two_processes_train_like_one(runs, task):
+    """Replicated. Rank 1 starts from other routers (retrofit) or weights (fine-tuning), which rank 0's replace;
+    fine-tuning averages its gradients in several buckets, and its matching term too is the global batch's. The
+    files have the single-process format."""
+    _assert_same_run(task, runs(task, 2), runs(task, 1))
+    _assert_same_formats(runs(task, 2), runs(task, 1))
 
 
-def test_two_processes_train_like_one(two_processes, one_process):
-    _assert_same_training(two_processes, one_process)
-
-
-def _checkpoint_layout(out: Path) -> tuple:
-    """Keys, router tensor shapes and optimizer state shapes of a checkpoint: what resuming depends on."""
-    state = load_checkpoint(out / "checkpoint.pt")
-    optimizer = state["optimizer"]
-    return (sorted(state), {k: tuple(v.shape) for k, v in state["routers"].items()},
-            {i: {k: tuple(v.shape) for k, v in entry.items()} for i, entry in optimizer["state"].items()},
-            [group["params"] for group in optimizer["param_groups"]])
-
-
-def test_two_processes_write_the_single_process_formats(two_processes, one_process):
-    _assert_same_adapter_format(two_processes, one_process)
-    assert _checkpoint_layout(two_processes) == _checkpoint_layout(one_process)
-
-
-def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, home, one_process):
+@pytest.mark.parametrize("task", TASKS)
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, home, runs, task):
     """Both processes die at the start of step 4 of 6 (after the checkpoint of step 3), as with ``kill -9``; a
-    second launch resumes. The checkpoint of two processes also resumes in one (its format is the same)."""
+    second launch resumes. One plain process resumes a copy of the same checkpoint (the format is the same), its
+    own model drawn from another seed: the checkpoint replaces what it trains. Both end as the uninterrupted run."""
     out = tmp_path / "run"
-    killed = _worker(out, home, "--die-after", "3")
+    killed = _worker(task, out, home, "--die-after", "3")
     assert killed.returncode != 0
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 3
-    assert not (out / "adapter").exists()
+    assert not (out / TRAINED[task]).exists()
     shutil.copytree(out, tmp_path / "copy")
 
-    _ok(lambda: _worker(out, home, "--resume"))
-    _assert_same_training(out, one_process)
-
-    with threads(1):
-        retrofit(composed(), windows(), tmp_path / "copy", RetrofitSettings(**SETTINGS), resume=True, progress=False)
-    _assert_same_training(tmp_path / "copy", one_process)
+    _ok(lambda: _worker(task, out, home, "--resume"))
+    _one_process(task, tmp_path / "copy", seed=7, resume=True)
+    for folder in (out, tmp_path / "copy"):
+        _assert_same_run(task, folder, runs(task, 1))
+        _assert_same_formats(folder, runs(task, 1))
 
 
 @pytest.fixture(scope="module")
@@ -206,25 +243,34 @@ def cli_model(tmp_path_factory) -> tuple[Path, Path]:
     return root, train
 
 
-def test_cli_under_accelerate_launch_with_fsdp_resumes_across_a_restart(tmp_path, home, cli_model):
-    """``sieve retrofit`` on 2 processes with the base sharded by FSDP2: 3 steps, then a second launch with
-    ``--steps 6 --resume``, equals one plain process running 6 steps (all 6 in warm-up, so the learning rates of the
-    two schedules agree)."""
-    model, train = cli_model
-    common = ["--model", str(model), "--train-text", str(train), *CLI_ARGS]
+@pytest.mark.parametrize("task", TASKS)
+def test_cli_under_accelerate_launch_with_fsdp_resumes_across_a_restart(tmp_path, home, cli_model, task):
+    """``sieve retrofit`` (base frozen) or ``sieve finetune`` (SFA top-4 with the matching term; the weights, their
+    gradients and the optimizer state sharded) on 2 processes under FSDP2, with CPU-RAM-efficient loading and
+    activation checkpointing: 3 steps, then a second launch with ``--steps 6 --resume`` (for fine-tuning a
+    checkpoint gathered from shards, then scattered again), equals one plain process running 6 steps (all 6 in
+    warm-up, so the learning rates of the two schedules agree). Fine-tuning's held-out perplexities, which both
+    processes compute on the sharded model, before and after training, are those of one process."""
+    model, text = cli_model
+    common = [task, "--model", str(model), "--train-text", str(text), *CLI_COMMON, *CLI_ARGS[task]]
+    if task == "finetune":
+        common += ["--eval-text", str(text)]  # short, unlike the default held-out split
     out = tmp_path / "fsdp"
-    first = _ok(lambda: _launch(FSDP, ["-m", "sieve_attn.cli", "retrofit", *common, "--steps", "3", "--out",
-                                         str(out)], home))
+    first = _ok(lambda: _launch(FSDP, ["-m", "sieve_attn.cli", *common, "--steps", "3", "--out", str(out)], home))
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 3
-    second = _ok(lambda: _launch(FSDP, ["-m", "sieve_attn.cli", "retrofit", *common, "--steps", "6", "--resume",
-                                          "--out", str(out)], home))
-    assert [run.stdout.count("adapter saved to") for run in (first, second)] == [1, 1]  # rank 0 alone prints
+    second = _ok(lambda: _launch(FSDP, ["-m", "sieve_attn.cli", *common, "--steps", "6", "--resume", "--out",
+                                          str(out)], home))
+    assert [run.stdout.count(CLI_PRINTS[task]) for run in (first, second)] == [1, 1]  # rank 0 alone prints
 
     reference = tmp_path / "one"
     with threads(1):
-        assert sieve_main(["retrofit", *common, "--steps", "6", "--out", str(reference)]) == 0
-    _assert_same_training(out, reference)
-    _assert_same_adapter_format(out, reference)
+        assert sieve_main([*common, "--steps", "6", "--out", str(reference)]) == 0
+    _assert_same_run(task, out, reference)
+    _assert_same_formats(out, reference)
+    if task == "finetune":
+        got, want = (json.loads((folder / "result.json").read_text()) for folder in (out, reference))
+        ppl = [[record["ppl_before"], record["ppl_after"]] for record in (got, want)]
+        assert ppl[0] == pytest.approx(ppl[1], rel=1e-5) and ppl[0][1] < ppl[0][0]
 
 
 def test_batch_size_must_split_evenly_over_the_processes():
@@ -239,10 +285,19 @@ def test_fsdp_version_1_is_refused():
         fsdp_plugin(accelerator)
 
 
-def test_causal_train_routing_is_refused_on_several_processes():
+def test_causal_train_routing_is_refused_on_several_processes(tmp_path, monkeypatch):
     """Causal routing uses the group biases in the forward that updates them: on several processes each would use
     biases of its own share of the batch (measured: losses 8e-3 apart after 6 steps), so it is refused."""
     model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, top_k=2, train_routing="causal"))
     two_ranks = SimpleNamespace(is_main_process=True, num_processes=2, process_index=0)
+    monkeypatch.setattr(distributed, "runtime", lambda batch_size: Distributed(two_ranks, batch_size))
     with pytest.raises(ValueError, match="train_routing: expected 'sinkhorn' when training on several processes"):
-        Distributed(two_ranks, batch_size=2).place(model)
+        retrofit(model, windows(), tmp_path, RetrofitSettings(steps=1, batch_size=2), progress=False)
+
+
+def test_gradients_are_averaged_in_buckets_of_bounded_size():
+    """Consecutive runs of at most ``limit`` values, order kept; a tensor larger than the limit goes alone."""
+    sizes = [3, 4, 9, 1, 1, 2, 5]
+    cut = [[t.numel() for t in bucket] for bucket in buckets([torch.zeros(n) for n in sizes], limit=5)]
+    assert cut == [[3], [4], [9], [1, 1, 2], [5]]
+    assert list(buckets([], limit=5)) == []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import sieve_attn as sa
 from sieve_attn.train.finetune import FinetuneSettings, finetune, load_weights
@@ -69,3 +70,29 @@ def test_bad_settings_are_refused(tmp_path):
         finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(matching_weight=-1))
     with pytest.raises(ValueError, match="windows: expected token ids"):
         finetune(tiny_model("llama"), _windows()[0], tmp_path)
+
+
+def test_activation_checkpointing_trains_the_same_weights_and_writes_the_same_names(tmp_path):
+    """Recomputing each layer in backward (as FSDP's activation checkpointing does) runs the SFA layers again, which
+    records their matching terms again: they must not leak into the next step. The wrapper's module name must not
+    reach the files."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    plain, wrapped = (sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)) for _ in range(2))
+    apply_activation_checkpointing(wrapped, check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
+    settings = FinetuneSettings(steps=3, lr=3e-3, warmup=1, batch_size=2, checkpoint_every=2)
+    a = finetune(plain, _windows(), tmp_path / "plain", settings, progress=False)
+    b = finetune(wrapped, _windows(), tmp_path / "wrapped", settings, progress=False)
+    flat = [[value for row in run["history"] for value in row[1:]] for run in (a, b)]
+    assert flat[1] == pytest.approx(flat[0], abs=1e-6, rel=0)
+    ta, tb = load_file(a["weights"]), load_file(b["weights"])
+    assert list(ta) == list(tb)
+    for name in ta:
+        torch.testing.assert_close(tb[name], ta[name], rtol=0, atol=1e-6, msg=name)
+    # The wrapped model resumes from the plain one's checkpoint: the same names, in the same order.
+    resumed = sa.compose(tiny_model("llama", seed=5), sa.SFAConfig(topk=4))
+    apply_activation_checkpointing(resumed, check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
+    c = finetune(resumed, _windows(), tmp_path / "plain", FinetuneSettings(**{**settings.__dict__, "steps": 4}),
+                 resume=True, progress=False)
+    assert c["history"][:3] == a["history"] and len(c["history"]) == 4

@@ -1,0 +1,91 @@
+"""The training loop retrofit and finetune share: the order of the windows, global batches split over processes,
+the learning-rate schedule, progress, atomic checkpoints and resuming from them.
+
+What differs between the two (what is trained, one optimizer step, what a checkpoint holds) comes in a :class:`Job`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from .._checks import check_int, check_positive_float, fail
+from .checkpoint import load_checkpoint, save_checkpoint
+from .schedule import lr_at
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class Job:
+    """One kind of training.
+
+    - ``name``: the progress bar's label.
+    - ``step(batch)``: one optimizer step on this process's share [b, T] of a global batch (the learning rate is
+      already set); returns the values the history records for the step, each the value of the global batch, the
+      loss first.
+    - ``snapshot()``: the trained tensors and the optimizer state, as the checkpoint holds them besides "step",
+      "history" and "settings". Every process calls it (gathering sharded tensors is collective); only the main
+      process's answer is written.
+    - ``restore(state)``: loads a checkpoint's ``snapshot()`` part back into the model and the optimizer; every
+      process calls it, with the whole checkpoint.
+    """
+
+    name: str
+    step: Callable[[torch.Tensor], tuple]
+    snapshot: Callable[[], dict]
+    restore: Callable[[dict], None]
+
+
+def check_settings(windows: torch.Tensor, settings) -> None:
+    """ValueError unless ``settings.steps`` and ``settings.batch_size`` are ints >= 1, ``settings.lr`` > 0 and
+    ``windows`` is token ids [N >= 1, T]."""
+    check_int("steps", settings.steps, 1)
+    check_int("batch_size", settings.batch_size, 1)
+    check_positive_float("lr", settings.lr)
+    if windows.dim() != 2 or len(windows) == 0:
+        fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
+
+
+def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, *, device, resume: bool,
+        progress: bool) -> list[tuple]:
+    """Trains steps 0 .. ``settings.steps`` - 1 and returns the history: one tuple (step number from 1, *values of
+    ``job.step``) per step, from the checkpoint's first when resuming.
+
+    Step s trains on the global batch of windows ``order[(s * batch_size + i) % N]`` for i < ``batch_size``, where
+    ``order`` is a permutation of the N windows drawn from ``settings.seed``; ``runtime.share`` picks this process's
+    part, which goes to ``device``. The learning rate follows :func:`~sieve_attn.train.schedule.lr_at`. Every
+    ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
+    main process: {"step", **``job.snapshot()``, "history", "settings"}. ``resume=True`` continues from that file
+    when it exists (every process reads it); the run then equals an uninterrupted one.
+    """
+    path = Path(out_dir) / CHECKPOINT
+    start, history = _resume(job, path) if resume else (0, [])
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
+    bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc=job.name,
+               disable=not (progress and runtime.is_main))
+    for step in bar:
+        picks = [(step * settings.batch_size + i) % len(windows) for i in range(settings.batch_size)]
+        batch = windows[order[runtime.share(picks)]].to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, settings)
+        history.append((step + 1, *job.step(batch)))
+        bar.set_postfix(loss=f"{history[-1][1]:.3f}")
+        if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
+            state = job.snapshot()
+            runtime.write(lambda: save_checkpoint({"step": step + 1, **state, "history": history,
+                                                   "settings": asdict(settings)}, path))
+    return history
+
+
+def _resume(job: Job, path: Path) -> tuple[int, list]:
+    """(first step to train, history so far) from the checkpoint at ``path``, its state restored; (0, []) without
+    one."""
+    state = load_checkpoint(path)
+    if state is None:
+        return 0, []
+    job.restore(state)
+    return state["step"], state["history"]
