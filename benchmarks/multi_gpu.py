@@ -1,0 +1,130 @@
+"""Training on several GPUs against one: the same global batches, the loss curves compared, throughput measured.
+
+For each launch (one process; N processes with the model replicated; N processes with FSDP2) the command
+(`sieve retrofit` or `sieve finetune`) runs twice, for --short and --long steps, on the same data. Throughput is
+(long - short) steps x global batch x context tokens over the difference of the two runs' wall times, so model
+loading, kernel compilation and the first steps cancel out. The loss histories of the long runs (from their
+checkpoints) are compared step by step with the one-process run. Peak memory per GPU is sampled with nvidia-smi
+(it includes the CUDA context). Writes multi_gpu.json to --out.
+
+    python benchmarks/multi_gpu.py --gpus 2 --out runs/multi_gpu retrofit --dtype bfloat16 --context 4096
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+FSDP = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+        "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"]
+
+
+class MemorySampler:
+    """Peak ``memory.used`` per GPU (MiB, nvidia-smi, every 200 ms) while the context is open."""
+
+    def __init__(self):
+        self.peak: dict[int, int] = {}
+        self._stop = threading.Event()
+
+    def _sample(self):
+        while not self._stop.is_set():
+            out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True).stdout
+            for line in out.strip().splitlines():
+                index, used = (int(x) for x in line.split(","))
+                self.peak[index] = max(self.peak.get(index, 0), used)
+            self._stop.wait(0.2)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        if shutil.which("nvidia-smi"):  # none on a CPU machine: nothing to sample
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def launch(processes: int, fsdp: bool) -> list[str]:
+    """The command prefix that starts ``processes`` training processes."""
+    if processes == 1 and not fsdp:
+        return [sys.executable, "-m", "sieve_attn.cli"]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+            "--mixed_precision", "no", *(FSDP if fsdp else ["--multi_gpu"]), "-m", "sieve_attn.cli"]
+
+
+def run(prefix: list[str], command: list[str], steps: int, out: Path, log) -> dict:
+    """Runs one training command to completion; returns its wall time, peak memory and loss history."""
+    out.mkdir(parents=True, exist_ok=True)
+    args = [*prefix, *command, "--steps", str(steps), "--checkpoint-every", str(steps), "--out", str(out)]
+    log.write(f"$ {' '.join(args)}\n")
+    log.flush()
+    started = time.perf_counter()
+    with MemorySampler() as memory:
+        done = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - started
+    if done.returncode:
+        return {"steps": steps, "failed": done.returncode}
+    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    return {"steps": steps, "seconds": seconds, "peak_mib": memory.peak,
+            "losses": [entry[1] for entry in state["history"]]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--short", type=int, default=10)
+    parser.add_argument("--long", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=2, help="global batch (a multiple of --gpus)")
+    parser.add_argument("--launches", default="1,replicated,fsdp", help="comma list of 1, replicated, fsdp")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run on gloo")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="`retrofit ...` or `finetune ...` with their options (not --steps/--out/--batch-size)")
+    args = parser.parse_args()
+    command = [*args.command, "--device", args.device, "--batch-size", str(args.batch_size)]
+    context = int(command[command.index("--context") + 1]) if "--context" in command else 1024
+    launches = {"1": (1, False), "replicated": (args.gpus, False), "fsdp": (args.gpus, True)}
+    record = {"command": command, "gpus": args.gpus, "batch_size": args.batch_size, "context": context,
+              "short": args.short, "long": args.long, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+              "versions": {"torch": torch.__version__}, "launches": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "multi_gpu.log", "w") as log:
+        for name in args.launches.split(","):
+            processes, fsdp = launches[name]
+            runs = [run(launch(processes, fsdp), command, steps, args.out / f"{name}-{steps}", log)
+                    for steps in (args.short, args.long)]
+            entry = {"processes": processes, "fsdp": fsdp, "runs": runs}
+            if not any("failed" in r for r in runs):
+                short, long = runs
+                tokens = (long["steps"] - short["steps"]) * args.batch_size * context
+                entry["tokens_per_second"] = tokens / (long["seconds"] - short["seconds"])
+            record["launches"][name] = entry
+            print(name, {k: v for k, v in entry.items() if k != "runs"}, flush=True)
+    one = record["launches"].get("1", {})
+    for name, entry in record["launches"].items():
+        if name == "1" or "tokens_per_second" not in entry or "tokens_per_second" not in one:
+            continue
+        a, b = one["runs"][1]["losses"], entry["runs"][1]["losses"]
+        entry["max_loss_difference"] = max(abs(x - y) for x, y in zip(a, b))
+        entry["speedup"] = entry["tokens_per_second"] / one["tokens_per_second"]
+        entry["scaling_efficiency"] = entry["speedup"] / entry["processes"]
+        print(name, "speedup", round(entry["speedup"], 3), "efficiency", round(entry["scaling_efficiency"], 3),
+              "max loss difference", entry["max_loss_difference"], flush=True)
+    (args.out / "multi_gpu.json").write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
