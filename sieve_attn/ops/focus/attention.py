@@ -7,9 +7,11 @@ Backends of the hard pattern (:func:`focus_attention`):
   few new queries against a cache; forward and backward.
 - ``"sdpa"``: the decomposition (:mod:`.decomposed`): tokens sorted by group, one batched causal SDPA-family call
   (cuDNN first) for the same-group pairs, masked calls for the cross-group window pairs, merged by log-sum-exp;
-  Tq == Tk, no softcap or attn_mask; forward and backward, CPU and CUDA.
+  Tq == Tk, no softcap or attn_mask; forward and backward on the CPU, forward only on CUDA (its CUDA backward
+  failed the H200 gradient gate, so CUDA calls that need gradients are refused).
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
-  softcap through a score_mod; gradients by autograd on CUDA, forward only on the CPU.
+  softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
+  H200; not timed), forward only on the CPU.
 ``"auto"`` takes the Triton kernels on CUDA from ``DENSE_BELOW`` keys up and for decoding, ``"dense"`` on CUDA below
 that, and the reference elsewhere (never ``"sdpa"`` or ``"flex"``, which are only taken when asked for);
 :func:`focus_backend` says which one a call would use and why.
@@ -137,7 +139,7 @@ def _resolve(q, k, num_groups, *, causal, softcap, attn_mask, backend, return_ls
     if backend == "reference":
         return "reference", "requested"
     if backend == "sdpa":
-        blocker = sdpa_blocker(q, k, softcap, attn_mask)
+        blocker = sdpa_blocker(q, k, softcap, attn_mask, needs_grad)
         if blocker:
             fail("backend", "a call the decomposition backend can compute ('sdpa')", blocker)
         return "sdpa", "requested"

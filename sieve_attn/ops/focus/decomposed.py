@@ -46,8 +46,9 @@ MIN_BLOCK = 64
 MAX_BLOCK = 1024
 
 
-def sdpa_blocker(q: torch.Tensor, k: torch.Tensor, softcap, attn_mask) -> Optional[str]:
-    """Why the decomposition backend cannot compute this call, or None when it can."""
+def sdpa_blocker(q: torch.Tensor, k: torch.Tensor, softcap, attn_mask, needs_grad: bool = False) -> Optional[str]:
+    """Why the decomposition backend cannot compute this call, or None when it can; ``needs_grad``: gradients will
+    be asked of q, k or v."""
     if attn_mask is not None:
         return "the sdpa backend takes no attn_mask"
     if softcap is not None:
@@ -58,6 +59,11 @@ def sdpa_blocker(q: torch.Tensor, k: torch.Tensor, softcap, attn_mask) -> Option
         return f"the sdpa backend takes CPU or CUDA tensors, got {q.device.type}"
     if q.device.type == "cuda" and q.dtype == torch.float64:
         return "the sdpa backend takes float16, bfloat16 or float32 on CUDA (its fused kernels have no float64)"
+    if q.device.type == "cuda" and needs_grad:
+        # Measured on the H200 (benchmarks/results/focus_h200/NOTES.md, v2): the CUDA backward failed its gradient
+        # gate at 8K (top-1) and hit an illegal memory access (top-2). Wrong gradients must not reach a user.
+        return ("the sdpa backend serves no gradients on CUDA: its CUDA backward failed its gradient check on the "
+                "H200; use backend='triton' for training")
     return None
 
 
