@@ -19,8 +19,10 @@ if DEVICE == "cpu":
 import sieve_attn.ops.sfa.decode as decode_module  # noqa: E402
 from sieve_attn.ops.sfa.cache import (SFAKeyCache, dense_bytes_per_token, index_bits, pack_indices,  # noqa: E402
                                       packed_bytes, unpack_indices)
-from sieve_attn.ops.sfa.codes import densify, index_dtype, sparse_codes  # noqa: E402
-from sieve_attn.ops.sfa.decode import sfa_decode, sfa_decode_reference, sfa_decode_triton  # noqa: E402
+from sieve_attn.ops import split_k  # noqa: E402
+from sieve_attn.ops.sfa.codes import densify, index_dtype, sparse_codes, sparsify  # noqa: E402
+from sieve_attn.ops.sfa.decode import (sfa_decode, sfa_decode_reference, sfa_decode_triton,  # noqa: E402
+                                       sparsify_triton)
 from sieve_attn.ops.sfa.reference import sfa_attention_reference  # noqa: E402
 from sieve_attn.ops.triton_common import kernel_blocker  # noqa: E402
 
@@ -249,6 +251,44 @@ def test_kernel_unpacks_indices_wider_than_a_byte(head_dim, topk):
     assert cache.index_bits == head_dim.bit_length() - 1 > 8
     out, lse = sfa_decode_triton(q, cache, scale=head_dim ** -0.5)
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
+
+
+@pytest.mark.parametrize("several_tiles", [False, True], ids=["gpu-split", "one-sm-split"])
+def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, several_tiles):
+    """The CASES above give every chunk one BLOCK_N tile (few keys against the H200's 132 SMs). Planned for one SM
+    (interpreter only: on a GPU the plan reads the device), 700 keys split into 4 chunks of 3 tiles, the last
+    chunk short and cut mid-tile, so the online softmax runs across tiles within a program; 2 query heads per KV
+    head and 3 queries (the causal edge inside the last tile), D = 128, topk = 16, bfloat16."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    if several_tiles:
+        monkeypatch.setattr(split_k, "_DEFAULT_SMS", 1)
+    batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 3, 700, 128, 16
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE))
+    if several_tiles and DEVICE == "cpu":
+        assert (work.chunks, work.chunk_keys) == (4, 3 * split_k.BLOCK_N)
+    torch.manual_seed(0)
+    k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
+    q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
+    out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
+    assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("head_dim, topk", [(16, 1), (64, 7), (128, 16), (128, 128)])
+def test_kernel_sparsifies_queries_like_codes_sparsify_ties_included(dtype, head_dim, topk):
+    """The decode kernel's query sparsification (one launch) equals codes.sparsify exactly, on strided queries
+    whose magnitudes repeat (values from {0, +-0.5, +-1, +-2}, -0.0 included), so ties decide the kept
+    coordinates: the lower index wins."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    torch.manual_seed(0)
+    levels = torch.tensor([0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0], device=DEVICE)
+    q = levels[torch.randint(0, 8, (2, 5, 3, head_dim), device=DEVICE)].to(dtype).transpose(1, 2)  # [2, 3, 5, D]
+    got = sparsify_triton(q, topk)
+    assert got.is_contiguous() and got.dtype == dtype
+    want = sparsify(q, topk)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 
 
 @pytest.mark.parametrize("head_dim, topk", [(48, 6), (300, 11)])
