@@ -574,6 +574,79 @@ def test_soft_gradients_small_blocks(gate, block_path):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("gate", ["log", "multiplicative"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("mask_heads", [None, "1", "Hq"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("need", ["qkv", "assign only"])
+def test_soft_pair_gate_equals_score_mod(gate, causal, mask_heads, softcap, need):
+    """The pair gate (hand-written backward, what focus_soft_attention runs) against the score_mod form of the same
+    gate (autograd): identical forward, gradients equal to rounding, lse gradients included, several blocks, a
+    fully masked row, GQA, sink rows of ones, and (``need``) a frozen model's q, k, v with only the memberships
+    needing gradients."""
+    from sieve_attn.ops.focus.reference import soft_gate_pair_gate, soft_gate_score_mod
+
+    torch.manual_seed(22)
+    batch, hq, hkv, tq, tk = 2, 6, 2, 29, 33
+    q, k, v = make_qkv(batch, hq, hkv, tq, tk, 8, requires_grad=need == "qkv")
+    assign = torch.softmax(torch.randn(batch, tk, 3, dtype=F64) * 2, dim=-1)
+    assign[:, 0] = 1.0
+    assign.requires_grad_(True)
+    padding = None
+    if mask_heads is not None:
+        padding = torch.rand(batch, 1 if mask_heads == "1" else hq, tq, tk) < 0.7
+        padding[0, -1, 5] = False  # fully masked row (in head 0 at least)
+    kw = dict(scale=0.4, causal=causal, softcap=softcap, attn_mask=padding, block_size=8)
+    ref, ref_lse = blockwise_attention(q, k, v, score_mod=soft_gate_score_mod(assign, 3, gate, 4.0), **kw)
+    out, lse = blockwise_attention(q, k, v, pair_gate=soft_gate_pair_gate(3, gate, 4.0), gate_inputs=(assign,),
+                                   **kw)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    go = torch.randn_like(ref)
+    gl = torch.randn_like(ref_lse)
+    inputs = (q, k, v, assign) if need == "qkv" else (assign,)
+
+    def loss(o, lse_):
+        return (o * go).sum() + (torch.where(torch.isfinite(lse_), lse_, 0) * gl).sum()
+    ours = _grads(loss(out, lse), inputs)
+    expected = _grads(loss(ref, ref_lse), inputs)
+    assert ours[-1].abs().max() > 0
+    for a, b in zip(ours, expected):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_soft_pair_gate_low_precision_gradients_accumulate_in_float32():
+    """bfloat16 q, k, v: the gradients of several blocks add up in float32 before the one cast to bfloat16, so they
+    stay within bfloat16 rounding of the float64 result."""
+    from sieve_attn.ops.focus.reference import soft_gate_pair_gate
+
+    torch.manual_seed(23)
+    q, k, v = make_qkv(1, 4, 2, 96, 96, 16)
+    assign = torch.softmax(torch.randn(1, 96, 4, dtype=F64) * 2, dim=-1)
+    go = torch.randn(1, 4, 96, 16, dtype=F64)
+    results = []
+    for dtype in (F64, torch.bfloat16):
+        leaves = [t.to(dtype).clone().requires_grad_(True) for t in (q, k, v)]
+        a = assign.to(torch.promote_types(dtype, torch.float32)).clone().requires_grad_(True)
+        out, _ = blockwise_attention(*leaves, scale=0.25, causal=True, block_size=8,
+                                     pair_gate=soft_gate_pair_gate(4, "log", 10.0), gate_inputs=(a,))
+        assert out.dtype == dtype
+        grads = _grads((out.to(F64) * go).sum(), (*leaves, a))
+        assert all(g.dtype == t.dtype for g, t in zip(grads, (*leaves, a)))
+        results.append([out, *grads])
+    for ours, ref in zip(results[1], results[0]):
+        assert (ours.to(F64) - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_block_size_is_larger_off_the_cpu():
+    from sieve_attn.ops.blockwise import query_block_size
+
+    assert query_block_size(2, 9, 4096) == 56
+    assert query_block_size(2, 9, 4096, torch.device("cpu")) == 56
+    assert query_block_size(2, 9, 4096, torch.device("cuda")) == 910
+    assert query_block_size(1, 9, 1024, torch.device("cuda")) == 1024
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Layout and range
 # ----------------------------------------------------------------------------------------------------------------

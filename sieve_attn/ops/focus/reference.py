@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ..blockwise import PairMask, ScoreMod, blockwise_attention, query_block_size
+from ..blockwise import PairGate, PairMask, ScoreMod, blockwise_attention, query_block_size
 
 # Log-gate floor: log(a + eps) for an affinity a = 0 is about -13.8, which removes a pair as thoroughly as bf16
 # softmax can resolve, yet stays finite so gradients reach the router.
@@ -80,12 +80,32 @@ def soft_gate_score_mod(assign: torch.Tensor, window: int, gate: str, gate_lambd
     return score_mod
 
 
+def soft_gate_pair_gate(window: int, gate: str, gate_lambda: float) -> PairGate:
+    """The soft Focus gate of :func:`soft_gate_score_mod` as a pair gate (``logit * factor + bias``, shared by the
+    heads), for :func:`blockwise_attention`'s hand-written backward. Its one gate input is the memberships
+    [B, T, K] in the compute dtype. Local pairs get bias 0 (log gate) or factor 1 (multiplicative gate), which leaves
+    their logits exactly as they were."""
+    def pair_gate(q_pos, k_pos, assign):
+        affinity = torch.einsum("bqk,bjk->bqj", assign[:, q_pos], assign[:, k_pos])
+        local = local_pairs(q_pos, k_pos, window)[None]
+        if gate == "log":
+            return None, torch.where(local, torch.zeros((), dtype=affinity.dtype, device=affinity.device),
+                                     torch.log(affinity + LOG_GATE_EPS))
+        return torch.where(local, torch.ones((), dtype=affinity.dtype, device=affinity.device),
+                           torch.sigmoid(gate_lambda * affinity)), None
+    return pair_gate
+
+
 def focus_soft_attention_reference(q, k, v, assign, *, window, gate, gate_lambda, causal, scale, softcap=None,
                                    attn_mask=None):
-    """Soft-gated Focus attention over all pairs. assign: [B, Tk, K]. Returns (out, lse)."""
+    """Soft-gated Focus attention over all pairs. assign: [B, Tk, K]. Returns (out, lse).
+
+    The gate is a pair gate of :func:`blockwise_attention`: the same logits as :func:`soft_gate_score_mod`, with
+    a hand-written backward that keeps no score block (training runs this on every layer)."""
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
     return blockwise_attention(q, k, v, scale=scale, causal=causal,
-                               score_mod=soft_gate_score_mod(assign, window, gate, gate_lambda),
-                               softcap=softcap, attn_mask=attn_mask)
+                               pair_gate=soft_gate_pair_gate(window, gate, gate_lambda),
+                               gate_inputs=(assign.to(compute_dtype),), softcap=softcap, attn_mask=attn_mask)
 
 
 def count_attended_pairs(groups: torch.Tensor, window: int, *, causal: bool = True,
@@ -97,15 +117,16 @@ def count_attended_pairs(groups: torch.Tensor, window: int, *, causal: bool = Tr
     batch, k_len = groups.shape[:2]
     q_len = k_len if q_len is None else q_len
     pair_mask = focus_pair_mask(groups, window)
-    attended = 0
-    block = query_block_size(batch, 1, k_len)
+    attended = torch.zeros((), dtype=torch.int64, device=groups.device)  # summed on the device: one sync at the end
+    block = query_block_size(batch, 1, k_len, groups.device)
     k_pos = torch.arange(k_len, device=groups.device)
     for start in range(k_len - q_len, k_len, block):
         q_pos = torch.arange(start, min(start + block, k_len), device=groups.device)
         allowed = pair_mask(q_pos, k_pos)
         if causal:
             allowed = allowed & (k_pos[None, :] <= q_pos[:, None])[None]
-        attended += int(allowed.sum())
+        attended += allowed.sum()
+    attended = int(attended)
     offset = k_len - q_len
     candidates = batch * (q_len * offset + q_len * (q_len + 1) // 2 if causal else q_len * k_len)
     return attended, candidates
