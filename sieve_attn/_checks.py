@@ -41,12 +41,25 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         fail("q", "at least one query token", 0)
 
 
+def fail_where(checks: list) -> None:
+    """ValueError for the first of ``checks`` that holds, each (name, expected, got, bad) with ``bad`` a 0-dim bool
+    tensor computed on the data's device: one host synchronisation for all of them, however many."""
+    if not checks:
+        return
+    flags = torch.stack([bad for *_, bad in checks]).tolist()
+    for (name, expected, got, _), bad in zip(checks, flags):
+        if bad:
+            fail(name, expected, got)
+
+
+def nan_checks(**tensors: torch.Tensor) -> list:
+    """The :func:`fail_where` checks that each named tensor holds no NaN."""
+    return [(name, "no NaN values", "NaN", torch.isnan(t).any()) for name, t in tensors.items()]
+
+
 def check_no_nan(**tensors: torch.Tensor) -> None:
     """ValueError naming the first tensor holding a NaN; one host synchronisation for all of them."""
-    flags = torch.stack([torch.isnan(t).any() for t in tensors.values()]).tolist()
-    for name, has_nan in zip(tensors, flags):
-        if has_nan:
-            fail(name, "no NaN values", "NaN")
+    fail_where(nan_checks(**tensors))
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:
@@ -101,15 +114,16 @@ def check_out(out, q: torch.Tensor) -> None:
         fail("out", f"a contiguous {q.dtype} tensor {tuple(q.shape)} on {q.device}", got)
 
 
-def check_attention_call(q, k, v, *, attn_mask=None, out=None):
+def check_attention_call(q, k, v, *, attn_mask=None, out=None, value_checks: tuple = ()):
     """The checks every attention op shares: q/k/v layout, no NaN, the optional padding mask and output buffer.
-    Returns attn_mask.
+    Returns attn_mask. ``value_checks``: the op's own :func:`fail_where` checks on other inputs' values, made in the
+    same host synchronisation as the NaN checks (one per call: a training step calls an op per layer).
 
     With a KV cache (Tq < Tk) only the keys and values of the new tokens (the last Tq) are checked for NaN: the
     cached ones were checked by the calls that added them, and re-reading the whole cache would cost a decode step
     as many bytes as dense attention does."""
     check_qkv(q, k, v)
     new = k.shape[2] - q.shape[2]
-    check_no_nan(q=q, k=k[:, :, new:], v=v[:, :, new:])
+    fail_where(nan_checks(q=q, k=k[:, :, new:], v=v[:, :, new:]) + list(value_checks))
     check_out(out, q)
     return check_attn_mask(attn_mask, q, k)

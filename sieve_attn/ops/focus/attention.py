@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 
 from ..._checks import check_attention_call, check_choice, check_int, check_positive_float, check_softcap, fail
-from ..._checks import resolve_scale
+from ..._checks import check_qkv, resolve_scale
 from ...config import FOCUS_BACKENDS
 from ..triton_common import kernel_blocker
 from .decomposed import focus_attention_sdpa, sdpa_blocker
@@ -210,13 +210,14 @@ def focus_soft_attention(
 
     Returns out [B, Hq, Tq, D] (and lse [B, Hq, Tq] when ``return_lse``). Gradients flow to q, k, v and assign.
     """
-    attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask)
+    check_qkv(q, k, v)  # before assign's shape is compared with theirs
     if not isinstance(assign, torch.Tensor) or not assign.dtype.is_floating_point:
         fail("assign", "a float tensor [B, T, K]", getattr(assign, "dtype", type(assign).__name__))
     if assign.dim() != 3 or assign.shape[0] != q.shape[0] or assign.shape[1] != k.shape[2] or assign.shape[2] < 1:
         fail("assign", f"shape [B={q.shape[0]}, T={k.shape[2]}, K>=1]", f"shape {tuple(assign.shape)}")
-    if not bool(torch.isfinite(assign).all()) or bool((assign < 0).any()):
-        fail("assign", "finite, non-negative memberships", "negative or non-finite values")
+    bad_assign = (~torch.isfinite(assign)).any() | (assign < 0).any()
+    attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, value_checks=(
+        ("assign", "finite, non-negative memberships", "negative or non-finite values", bad_assign),))
     window = check_int("window", window, 0)
     check_choice("gate", gate, GATES)
     gate_lambda = check_positive_float("gate_lambda", gate_lambda)
