@@ -133,6 +133,24 @@ def test_from_codes_reads_only_the_codes(index_dtype):
         torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_pairs_without_a_shared_coordinate_score_zero(dtype):
+    """The forward's S = Qd @ Kd^T over zero-filled tiles: queries on coordinates 0-3 and keys on 4-7 share none, so
+    every logit is exactly 0 and each query averages V over the keys it attends, lse = log(their count)."""
+    batch, heads, length, dim = 1, 2, 40, 32
+    gen = torch.Generator().manual_seed(11)
+    slots = torch.arange(4).expand(batch, heads, length, 4)
+    q_idx, k_idx = slots.to(torch.uint8).to(DEVICE), (slots + 4).to(torch.uint8).to(DEVICE)
+    q_val, k_val = (torch.randn(batch, heads, length, 4, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    v = torch.randn(batch, heads, length, dim, generator=gen).to(dtype).to(DEVICE)
+    out, lse = sfa_attention_from_codes(q_idx, q_val, k_idx, k_val, v, causal=True)
+    count = torch.arange(1, length + 1, dtype=F64, device=DEVICE)
+    want = v.double().cumsum(2) / count[:, None]
+    tol = 1e-6 if dtype == F32 else 1e-2
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
+    torch.testing.assert_close(lse.double(), count.log().expand(batch, heads, length), rtol=0, atol=1e-5)
+
+
 # The later query tiles do read the poisoned keys: their NaN row maxima warn in the interpreter.
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered")
 def test_causal_key_tiles_after_the_query_tile_are_never_read():

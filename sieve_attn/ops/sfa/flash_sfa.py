@@ -10,10 +10,15 @@ D <= 256) and their values. Nothing in this module ever reads a dense K (or a de
 registers from its codes when a kernel needs it. No Tq x Tk tensor exists; each program keeps one score tile.
 
 Forward (one program per query tile of BLOCK_M queries and query head, FlashAttention-2 style):
-- densify the query tile once: ``Qd [BLOCK_M, D]`` float32 from topk compare-selects;
-- for each key tile of BLOCK_N keys up to the tile's last query position (causal tile skipping): load the keys'
-  (index, value) pairs and compute ``S[m, n] = sum_s k_val[n, s] * Qd[m, k_idx[n, s]]``: topk ``tl.gather`` of
-  Qd columns and topk float32 FMAs per pair on CUDA cores, summing exactly the products of shared coordinates;
+- densify the query tile once: ``Qd [BLOCK_M, D]`` zero-filled, in the codes' value dtype, from topk
+  compare-selects;
+- for each key tile of BLOCK_N keys up to the tile's last query position (causal tile skipping): densify the key
+  tile from its codes the same way, transposed, ``Kd^T [D, BLOCK_N]`` (topk compare-selects over the tile), and
+  ``S = Qd @ Kd^T`` with ``tl.dot`` accumulating in float32: tensor cores for 16-bit codes, whose products are exact
+  in float32, so S sums exactly the products of shared coordinates (the others are products with a zero); a pair
+  with no shared coordinate scores 0. In the interpreter the dot takes exact float32 products
+  (:func:`..triton_common.dot`). Float32 codes keep v1's scores, k gathers of Qd columns and k FMAs per pair
+  (exact float32 products of whole tiles spill on sm_90, below);
 - online softmax in float32 (base 2), ``acc += P @ V`` with ``tl.dot`` (tensor cores for 16-bit V, P rounded to
   V's dtype as in FlashAttention-2);
 - write the output and the float32 log-sum-exp. Only the diagonal and last key tiles carry a mask.
@@ -29,8 +34,11 @@ The wrapper turns ``dq_val`` / ``dk_val`` into gradients of dense q and k throug
 :func:`.codes.sparse_codes` (a scatter at the kept coordinates, zero elsewhere).
 
 Work per (query, key) pair visited, with k = topk and d = D:
-- forward scores: k gathers + k float32 FMAs on CUDA cores, against d MACs dense; P @ V: d tensor-core MACs as
-  dense (the paper's FLOP counts also keep a dense P @ V);
+- forward scores: k * d / BLOCK_M compare-selects to densify the key tiles (each key tile is densified once per
+  query tile that visits it; the query tile once per program, k * d / Tk per pair) and d tensor-core MACs for S,
+  against d MACs dense; P @ V: d tensor-core MACs as dense (the paper's FLOP counts also keep a dense P @ V). With
+  k = 8, d = 128, BLOCK_M = 64: 16 selects and 2 * 128 MACs per pair (the measured v1 forward spent k = 8 gathers
+  of a register tile per pair instead, about a hundred FMAs' time each);
 - backward: 4k gathers with FMAs (S in both kernels, dq, dk) and 3d tensor-core MACs (dP in both kernels, dV),
   plus densifying the streamed tile, k * d * (1 / BLOCK_M + 1 / BLOCK_N) compare-selects; a two-kernel dense FA2
   backward spends 7d tensor-core MACs (S and dP in both kernels, dq, dk, dv).
@@ -44,10 +52,24 @@ CUDA cores (float32 tensor cores only do tf32), as the paper's FMA FlashAttentio
 stays on tensor cores: an FMA P @ V with a [BLOCK_M, D] accumulator spills kilobytes of registers per thread on
 sm_90, which would measure the spills rather than the scores.
 
-Tiles: 64 x 32 with 8 warps on CUDA, chosen by compiling for sm_90 offline (Triton 3.9): no register spills at
-D = 64 and 128, a few hundred bytes at D = 256 (4 warps or 64 x 64 tiles spill at D = 128); not timed on a GPU yet.
+Tiles: 64 x 32 with 8 warps on CUDA, chosen by compiling for sm_90 offline (Triton 3.9, cuobjdump -res-usage).
+Forward, 16-bit codes, registers per thread (spilled bytes): D = 64: 162 (0), D = 128: 218 (0), D = 256: 255 (80);
+64 x 64 with 8 warps also fits (187 / 243, 0) but the backward kernels share the tiles; 128-query tiles, which halve
+the selects per pair, spill at D = 128 (64 bytes with 8 warps, 300+ with 16). The key tile is densified
+transposed, which Triton lays out with one key per thread column: untransposed, [BLOCK_N, D] takes 238 registers
+at D = 128 and 64 x 64 tiles spill 112 bytes. Float32 codes: exact float32 products of whole [64, D] tiles would
+spill about 7.6 KB per thread at D = 128, so they gather (233 registers, no spill at D = 128; 40 bytes of stack at
+D = 64). The backward kernels are unchanged (no spills at D = 64 and 128, a few hundred bytes at D = 256).
 In the Triton interpreter (CPU tests) 32 x 16, so short sequences span several query and key tiles, the causal
 diagonal and ragged last tiles.
+
+PREDICTION (not measured; no GPU was available for this version): 64K tokens, H = 8, d = 128, k = 8, bfloat16,
+causal: 1.72e10 pair-heads (8 * 65536^2 / 2). The two dots, 2 * 128 MACs = 512 FLOP per pair, are 8.8e12 FLOP:
+14.7 ms at 600 TFLOP/s to 22.0 ms at 400 TFLOP/s. The selects, 16 per pair, are 2.75e11: 4.6 ms at 60 T-ops/s of
+CUDA-core issue (9.2 ms if a select costs a compare and a select). Not overlapped: about 19-27 ms (up to 31 ms with
+two-instruction selects), i.e. 34-48x the measured CUDA-core dense kernel (928 ms) and 0.49-0.68x SDPA-cuDNN
+(13.2 ms). Not counted: the softmax (also in cuDNN's time) and that Triton may lay the S dot of a 64-query tile over
+both warpgroups of 8 warps (wgmma layout [8, 1]), computing it twice (dots then 13.2e12 FLOP, 22-33 ms).
 """
 from __future__ import annotations
 
@@ -86,19 +108,20 @@ def tiling(device: torch.device) -> Tiling:
 
 @triton.jit
 def _densify(IDX, VAL, tok, valid, offs_d, TOPK: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-             TRANSPOSED: tl.constexpr):
-    """The zero-filled float32 tile of the codes of tokens ``tok`` [ROWS] of one head (codes contiguous
-    [T, TOPK]): [ROWS, D], or [D, ROWS] when TRANSPOSED; invalid tokens give zero rows. A token's coordinates are
-    distinct, so selects (not sums) place the values exactly. (A tile in a 16-bit value dtype would halve its
-    registers, yet spills more on sm_90: the gathers then convert it.)"""
+             TRANSPOSED: tl.constexpr, DTYPE: tl.constexpr):
+    """The zero-filled DTYPE tile of the codes of tokens ``tok`` [ROWS] of one head (codes contiguous [T, TOPK]):
+    [ROWS, D], or [D, ROWS] when TRANSPOSED; invalid tokens give zero rows. A token's coordinates are distinct, so
+    selects (not sums) place the values exactly, in the values' own dtype or float32. The forward's tl.dot operands
+    take the values' dtype; the backward's gathered tiles float32 (a 16-bit tile would halve its registers, yet
+    spills more on sm_90: the gathers then convert it)."""
     if TRANSPOSED:
-        dense = tl.zeros([HEAD_DIM, ROWS], tl.float32)
+        dense = tl.zeros([HEAD_DIM, ROWS], DTYPE)
     else:
-        dense = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        dense = tl.zeros([ROWS, HEAD_DIM], DTYPE)
     offs = tok.to(tl.int64) * TOPK
     for s in range(TOPK):
         idx = tl.load(IDX + offs + s, mask=valid, other=0).to(tl.int32)
-        val = tl.load(VAL + offs + s, mask=valid, other=0.0).to(tl.float32)
+        val = tl.load(VAL + offs + s, mask=valid, other=0.0).to(DTYPE)
         if TRANSPOSED:
             dense = tl.where(offs_d[:, None] == idx[None, :], val[None, :], dense)
         else:
@@ -209,13 +232,18 @@ def _fwd_steps(acc, l_i, m_i, q, rows, q_valid, q_pos, K0, K1, V, k_len, lo, hi,
                BLOCK_N: tl.constexpr, TOPK: tl.constexpr, HEAD_DIM: tl.constexpr, SPARSE: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr):
     """Online-softmax steps of the query tile ``rows`` over the key tiles in [lo, hi) of one KV head. SPARSE: q is
-    the zero-filled float32 query tile [M, D] and K0, K1 the key codes (indices, values); otherwise q and K0 point
-    to the head's dense queries and keys."""
+    the zero-filled query tile [M, D] in the codes' dtype and K0, K1 the key codes (indices, values); otherwise q
+    and K0 point to the head's dense queries and keys."""
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k_valid = keys < k_len
-        if SPARSE:
+        if SPARSE and K1.dtype.element_ty == tl.float32:
+            # Exact float32 products of whole [M, D] x [D, N] tiles spill kilobytes of registers per thread on
+            # sm_90: float32 codes gather their k products per pair instead, as the backward does.
             raw = _scores(q, K0, K1, keys, k_valid, TOPK)
+        elif SPARSE:
+            raw = dot(q, _densify(K0, K1, keys, k_valid, offs_d, TOPK, BLOCK_N, HEAD_DIM, True, K1.dtype.element_ty),
+                      NATIVE)
         else:
             raw = _dense_scores(q, K0, rows, q_valid, keys, k_valid, HEAD_DIM, 16)
         s, _ = _logits(raw, scale, softcap, SOFTCAP)
@@ -246,7 +274,7 @@ def _fwd_kernel(Q0, Q1, K0, K1, V, O, LSE, q_len, k_len, scale, softcap,
     q_valid = rows < q_len
     if SPARSE:
         q = _densify(Q0 + bh * q_len * TOPK, Q1 + bh * q_len * TOPK, rows, q_valid, offs_d, TOPK, BLOCK_M, HEAD_DIM,
-                     False)
+                     False, Q1.dtype.element_ty)
         k0 = K0 + (bh // GQA) * k_len * TOPK
         k1 = K1 + (bh // GQA) * k_len * TOPK
     else:
@@ -289,7 +317,7 @@ def _dq_steps(dq, qd, do, lse, delta, q_pos, rows, q_valid, QI, KI, KV, V, k_len
             p = tl.where(_allowed(q_pos[:, None], keys[None, :], k_len, CAUSAL), p, 0.0)
         v = tl.load(V + keys.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=k_valid[:, None], other=0.0)
         ds = p * (dot(do, tl.trans(v), NATIVE) - delta[:, None]) * dcap
-        kd_t = _densify(KI, KV, keys, k_valid, offs_d, TOPK, BLOCK_N, HEAD_DIM, True)
+        kd_t = _densify(KI, KV, keys, k_valid, offs_d, TOPK, BLOCK_N, HEAD_DIM, True, tl.float32)
         dq += _code_grads(ds, kd_t, QI, rows, q_valid, TOPK, TOPK_POW2)
     return dq
 
@@ -306,7 +334,7 @@ def _bwd_dq_kernel(QI, QV, KI, KV, V, DO, LSE, DELTA, DQ, q_len, k_len, scale, s
     rows = start_m + tl.arange(0, BLOCK_M)
     q_valid = rows < q_len
     qi = QI + bh * q_len * TOPK
-    qd = _densify(qi, QV + bh * q_len * TOPK, rows, q_valid, offs_d, TOPK, BLOCK_M, HEAD_DIM, False)
+    qd = _densify(qi, QV + bh * q_len * TOPK, rows, q_valid, offs_d, TOPK, BLOCK_M, HEAD_DIM, False, tl.float32)
     do = tl.load(DO + bh * q_len * HEAD_DIM + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
                  mask=q_valid[:, None], other=0.0)
     lse = tl.load(LSE + bh * q_len + rows, mask=q_valid, other=0.0) * 1.4426950408889634
@@ -345,7 +373,7 @@ def _dkdv_steps(dk, dv, kd, v, keys, k_valid, KI, QI, QV, DO, LSE, DELTA, q_len,
         do = tl.load(DO + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=q_valid[:, None], other=0.0)
         dv += dot(p_t.to(do.dtype), do, NATIVE)
         ds_t = p_t * (dot(v, tl.trans(do), NATIVE) - delta[None, :]) * dcap_t
-        qd_t = _densify(QI, QV, rows, q_valid, offs_d, TOPK, BLOCK_M, HEAD_DIM, True)
+        qd_t = _densify(QI, QV, rows, q_valid, offs_d, TOPK, BLOCK_M, HEAD_DIM, True, tl.float32)
         dk += _code_grads(ds_t, qd_t, KI, keys, k_valid, TOPK, TOPK_POW2)
     return dk, dv
 
@@ -363,7 +391,7 @@ def _bwd_dkdv_kernel(QI, QV, KI, KV, V, DO, LSE, DELTA, DK, DV, q_len, k_len, sc
     keys = start_n + tl.arange(0, BLOCK_N)
     k_valid = keys < k_len
     ki = KI + bkv * k_len * TOPK
-    kd = _densify(ki, KV + bkv * k_len * TOPK, keys, k_valid, offs_d, TOPK, BLOCK_N, HEAD_DIM, False)
+    kd = _densify(ki, KV + bkv * k_len * TOPK, keys, k_valid, offs_d, TOPK, BLOCK_N, HEAD_DIM, False, tl.float32)
     v_ptrs = bkv * k_len * HEAD_DIM + keys.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
     v = tl.load(V + v_ptrs, mask=k_valid[:, None], other=0.0)
 
