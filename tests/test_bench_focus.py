@@ -142,11 +142,11 @@ def test_extra_backends_add_gated_rows(tmp_path, capsys):
     assert "| forward | 512 | 32 | 4 | 2 | sdpa |" in capsys.readouterr().out
 
 
-def test_extra_backends_default_to_sdpa_on_cuda_only():
+def test_extra_backends_are_only_those_asked_for():
     def extra(*options):
         return config_from_args(build_parser().parse_args(["bench", "focus", *options])).extra_backends
-    assert extra("--device", "cpu") == () and extra("--device", "cuda") == ("sdpa",)
-    assert extra("--device", "cuda", "--backend", "sdpa") == () and extra("--backends", "sdpa,triton") == (
+    assert extra("--device", "cpu") == () and extra("--device", "cuda") == ()
+    assert extra("--backend", "sdpa", "--backends", "sdpa") == () and extra("--backends", "sdpa,triton") == (
         "sdpa", "triton")
     with pytest.raises(SystemExit):
         extra("--backends", "cudnn")

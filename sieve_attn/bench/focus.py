@@ -72,9 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_int_list(group, "--groups", d.group_counts, "group counts K, comma list; random groups of balanced sizes")
         add_int_list(group, "--top-k", d.top_ks, "groups per token, comma list; each must be <= every K")
         group.add_argument("--window", type=int, default=d.window, help=f"local window w: 0 <= i-j <= w ({d.window})")
-        group.add_argument("--backends", type=choice_list(EXTRA_BACKENDS), default=None,
-                           help="further focus_attention backends timed in extra prefill rows, comma list; '' for "
-                                "none (sdpa on CUDA, none on the CPU)")
+        group.add_argument("--backends", type=choice_list(EXTRA_BACKENDS), default=(),
+                           help="further focus_attention backends timed in extra prefill rows, comma list (none)")
 
     add_bench_arguments(
         parser, d, method="Focus pattern", add_method_arguments=add_focus_arguments, backends=focus_ops.BACKENDS,
@@ -86,9 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     refuse_above("--top-k", args.top_k, "--groups", args.groups)
-    extra = args.backends
-    if extra is None:
-        extra = ("sdpa",) if torch.device(args.device).type == "cuda" else ()
+    extra = args.backends or ()
     return BenchConfig(**settings_from_args(args), group_counts=args.groups, top_ks=args.top_k, window=args.window,
                        extra_backends=tuple(name for name in extra if name != args.backend))
 

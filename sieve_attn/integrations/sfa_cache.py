@@ -96,7 +96,10 @@ class SFACacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drops the last -tokens_to_remove tokens (transformers' convention: a count <= 0). A sliding-window layer
-        that already dropped old tokens must keep the window - 1 that the next token's query sees."""
+        that already dropped old tokens must keep the window - 1 that the next token's query sees. A layer that holds
+        nothing yet has nothing to drop (as transformers' DynamicLayer; with KV sharing a layer may never fill)."""
+        if self.store is None:
+            return
         held = self._held()
         removable = held if self.seen == held else held - (self.window - 1)
         if not (isinstance(tokens_to_remove, int) and -removable <= tokens_to_remove <= 0):

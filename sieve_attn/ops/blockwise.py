@@ -28,6 +28,8 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .._checks import fail
+
 PairMask = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PairGate = Callable[..., tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
@@ -90,7 +92,7 @@ def blockwise_attention(
     block_size = block_size or query_block_size(batch, q_heads, k_len, q.device)
     if pair_gate is not None:
         if score_mod is not None:
-            raise ValueError("blockwise_attention: pair_gate and score_mod cannot be combined")
+            fail("pair_gate", "None when score_mod is given (one of the two modifies the scores)", "a pair gate")
         settings = _GateSettings(scale=scale, causal=causal, pair_mask=pair_mask, pair_gate=pair_gate,
                                  softcap=softcap, block_size=block_size)
         gated_out, lse = _GatedAttention.apply(settings, qg, k, v, attn_mask, *gate_inputs)
@@ -99,8 +101,8 @@ def blockwise_attention(
             return gated_out, lse.view(batch, q_heads, q_len)
         out.copy_(gated_out)
         return out, lse.view(batch, q_heads, q_len)
-    # Not only q, k, v: a score_mod may close over tensors that need gradients (the soft gate's memberships, with a
-    # frozen model's q, k, v), and each block's scores would then be kept for backward.
+    # Not only q, k, v: a score_mod may close over tensors that need gradients (memberships, with a frozen model's
+    # q, k, v), and each block's scores would then be kept for backward.
     recompute = torch.is_grad_enabled() and batch * q_heads * q_len * k_len > _RECOMPUTE_ELEMENTS
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -208,8 +210,8 @@ def _gated_logits(settings, qb, k, q_pos, k_pos, block_mask, gate_inputs, comput
         scores.mul_(factor.detach()[:, None, None])
     allowed = _allowed(settings.causal, settings.pair_mask, q_pos, k_pos, block_mask)
     shift = None if bias is None else bias.detach()[:, None, None]
-    if allowed is not None and allowed.shape[1] == 1 and allowed.shape[2] == 1:
-        # Head-shared mask: -inf goes into the head-shared shift (bias + -inf is the -inf masked_fill would write).
+    if allowed is not None and (allowed.dim() == 2 or allowed.shape[1:3] == (1, 1)):
+        # Head-shared mask ([bq, bk] causal, or [B, 1, 1, bq, bk]): -inf goes into the head-shared shift (bias + -inf is the -inf masked_fill would write).
         shift = torch.where(allowed, torch.zeros((), dtype=compute_dtype, device=scores.device) if shift is None
                             else shift, float("-inf"))
         allowed = None

@@ -41,10 +41,12 @@ class Job:
 
 
 def check_settings(windows: torch.Tensor, settings) -> None:
-    """ValueError unless ``settings.steps`` and ``settings.batch_size`` are ints >= 1, ``settings.lr`` > 0 and
-    ``windows`` is token ids [N >= 1, T]."""
+    """ValueError unless ``settings.steps``, ``settings.batch_size`` and ``settings.checkpoint_every`` are ints >= 1,
+    ``settings.warmup`` an int >= 0, ``settings.lr`` > 0 and ``windows`` is token ids [N >= 1, T]."""
     check_int("steps", settings.steps, 1)
     check_int("batch_size", settings.batch_size, 1)
+    check_int("checkpoint_every", settings.checkpoint_every, 1)
+    check_int("warmup", settings.warmup, 0)
     check_positive_float("lr", settings.lr)
     if windows.dim() != 2 or len(windows) == 0:
         fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))

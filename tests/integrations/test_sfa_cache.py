@@ -13,6 +13,7 @@ import torch
 import sieve_attn as sa
 import sieve_attn.nn.sfa_layer as sfa_layer
 from sieve_attn.integrations.transformers import sfa_layers
+from sieve_attn.ops.sfa.cache import packed_bytes
 
 try:
     from tests.integrations.test_transformers import _greedy_recompute, _left_padded, _logits
@@ -111,7 +112,8 @@ def test_cache_memory_is_the_compressed_one():
     dense_per_token = sum(layer.keys.nbytes + layer.values.nbytes for layer in dense.layers) / (2 * kv_heads * PROMPT)
     assert dense_per_token == LAYERS * sa.dense_bytes_per_token(head_dim, torch.float32) == LAYERS * 128
     per_token = [layer.store.bytes_per_token() for layer in cache.layers]
-    assert all(bytes_ <= TOPK * (itemsize + 1) + head_dim * itemsize for bytes_ in per_token)  # <= 84 of 128
+    # bit-packed indices (4 x 4 bits at D=16), 4 key values and V in float32: 82 of 128 bytes
+    assert all(bytes_ == packed_bytes(TOPK, head_dim) + (TOPK + head_dim) * itemsize for bytes_ in per_token)
     assert cache.allocated_bytes() == sum(per_token) * 2 * kv_heads * PROMPT  # capacity = the prompt: no slack
 
 

@@ -98,6 +98,7 @@ BAD_CALLS = {
     "soft: assign K = 0": (soft(assign=torch.ones(B, T, 0)), ("assign",)),
     "soft: assign int": (soft(assign=torch.ones(B, T, 3, dtype=torch.long)), ("assign",)),
     "soft: assign inf": (soft(assign=_with(assign(), (0, 1, 2), float("inf"))), ("assign",)),
+    "soft: assign on another device": (soft(assign=assign().to("meta")), ("assign",)),
     "soft: gate unknown": (soft(gate="bogus"), ("gate",)),
     "soft: window negative": (soft(window=-2), ("window",)),
     "soft: gate_lambda zero": (soft(gate_lambda=0.0), ("gate_lambda",)),
@@ -132,6 +133,7 @@ GOOD_CALLS = {
     "soft defaults": soft(),
     "soft multiplicative": soft(gate="multiplicative", gate_lambda=3),
     "soft sink row of ones": soft(assign=_with(assign(), (slice(None), 0), 1.0)),
+    "soft one token": lambda: focus_soft_attention(*qkv(tq=1, tk=1), assign(1)),
 }
 
 

@@ -48,4 +48,7 @@ def test_explicit_flex_refuses_what_it_cannot_compute():
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="backend: .*no gradients on the CPU"):
             focus_attention(q.requires_grad_(), q, q, groups, backend="flex")
+        v = q.detach().clone().requires_grad_()  # gradients asked of v alone: focus_backend must say the same
+        with pytest.raises(ValueError, match="backend: .*no gradients on the CPU"):
+            focus_backend(q.detach(), q.detach(), groups, backend="flex", v=v)
     assert focus_backend(q.detach(), q.detach(), groups, backend="flex") == ("flex", "requested")

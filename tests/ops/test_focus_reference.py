@@ -676,3 +676,14 @@ def test_large_logits_are_stable(dtype):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_flash_rule(out, low_precision_torch(q, k, v, mask), ref)
     torch.testing.assert_close(lse.to(F64), ref_lse, rtol=1e-5, atol=1e-4)
+
+
+def test_pair_gate_and_score_mod_are_refused_together():
+    from sieve_attn.ops.focus.reference import soft_gate_pair_gate, soft_gate_score_mod
+
+    q = torch.randn(1, 2, 6, 8)
+    assign = torch.softmax(torch.randn(1, 6, 3), dim=-1)
+    with pytest.raises(ValueError, match="pair_gate: expected None when score_mod is given"):
+        blockwise_attention(q, q, q, scale=0.3, causal=True, pair_gate=soft_gate_pair_gate(2, "log", 4.0),
+                            gate_inputs=(assign,),
+                            score_mod=soft_gate_score_mod(assign, 2, "log", 4.0))

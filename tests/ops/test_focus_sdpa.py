@@ -55,11 +55,6 @@ def run_backend(q, k, v, groups, backend, grads=True, **kw):
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-# The sdpa backend refuses gradients on CUDA (test_sdpa_serves_no_gradients_on_cuda): there its forward alone is
-# checked until its CUDA backward passes the gate.
-SDPA_GRADS = DEVICE != "cuda"
-
-
 def check_against_reference(case: str, spec: tuple, backend: str, spread: int = 1, offset: int = 0,
                             grads: bool = True) -> None:
     """Runs ``spec`` = (batch, q_heads, kv_heads, length, head_dim, num_groups, slots, window, causal, softcap,
@@ -113,10 +108,15 @@ SPREAD = {"gqa-top1-noncausal-empty-groups": 3}
 OFFSET = {"top3-noncausal-ids-past-63": 60, "mqa-top1-ids-past-63-bf16": 70}
 
 
+@pytest.fixture(autouse=True)
+def cuda_paths_under_test(monkeypatch):
+    """On a GPU these tests check the CUDA paths that sdpa_blocker refuses to users until they pass here."""
+    monkeypatch.setattr(decomposed, "CUDA_VERIFIED", True)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference_forward_and_backward(case):
-    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0),
-                            grads=SDPA_GRADS)
+    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
 
 
 @pytest.mark.parametrize("case", ["gqa-top2-sink", "mqa-top2-noncausal", "long-groups-bf16",
@@ -126,8 +126,7 @@ def test_many_small_calls_match_reference(case, monkeypatch):
     # set, windows wider than a block, and chunks of query slots in the masked same-group calls.
     monkeypatch.setattr(decomposed, "MIN_BLOCK", 8)
     monkeypatch.setattr(decomposed, "MASK_ELEMENTS", 700)
-    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0),
-                            grads=SDPA_GRADS)
+    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
 
 
 def test_returns_lse_of_the_reference_and_writes_out():
@@ -165,12 +164,14 @@ def test_explicit_sdpa_refuses_what_it_cannot_compute():
     assert focus_backend(q, q, groups)[0] != "sdpa"  # auto never picks it
 
 
-def test_sdpa_serves_no_gradients_on_cuda():
-    """Its CUDA backward failed the H200 gradient gate: a CUDA call that needs gradients is refused, not answered
-    with wrong gradients. (A stand-in for a CUDA tensor: the check reads only shape, device and dtype.)"""
+def test_sdpa_refuses_cuda_until_its_cuda_tests_pass(monkeypatch):
+    """Its CUDA paths failed on the H200: a CUDA call is refused, not answered wrongly. (A stand-in for a CUDA
+    tensor: the check reads only shape, device and dtype.)"""
     cuda_q = SimpleNamespace(shape=(1, 2, 8, 16), device=torch.device("cuda", 0), dtype=torch.bfloat16)
-    assert decomposed.sdpa_blocker(cuda_q, cuda_q, None, None, needs_grad=False) is None
-    assert "no gradients on CUDA" in decomposed.sdpa_blocker(cuda_q, cuda_q, None, None, needs_grad=True)
+    monkeypatch.setattr(decomposed, "CUDA_VERIFIED", False)
+    assert "not verified on CUDA" in decomposed.sdpa_blocker(cuda_q, cuda_q, None, None)
+    monkeypatch.setattr(decomposed, "CUDA_VERIFIED", True)
+    assert decomposed.sdpa_blocker(cuda_q, cuda_q, None, None) is None
 
 
 # ---------------------------------------------------------------------------------------------------- op families
@@ -229,7 +230,7 @@ needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA op families n
 def test_each_cuda_causal_family_matches_reference(name, case, monkeypatch):
     spec = CASES[case][:-1] + (BF16,)  # cuDNN and flash take 16-bit inputs only
     monkeypatch.setattr(decomposed, "causal_call", _only_family(sdpa_ops.FAMILIES[name]))
-    check_against_reference(case, spec, "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0), grads=SDPA_GRADS)
+    check_against_reference(case, spec, "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
 
 
 def _only_family(family):

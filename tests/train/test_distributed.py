@@ -295,7 +295,7 @@ def test_causal_train_routing_is_refused_on_several_processes(tmp_path, monkeypa
         retrofit(model, windows(), tmp_path, RetrofitSettings(steps=1, batch_size=2), progress=False)
 
 
-def test_gradients_are_averaged_in_buckets_of_bounded_size():
+def test_all_reduce_buckets_hold_at_most_limit_values_in_order():
     """Consecutive runs of at most ``limit`` values, order kept; a tensor larger than the limit goes alone."""
     sizes = [3, 4, 9, 1, 1, 2, 5]
     cut = [[t.numel() for t in bucket] for bucket in buckets([torch.zeros(n) for n in sizes], limit=5)]

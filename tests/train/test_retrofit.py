@@ -171,6 +171,13 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path / "missing.pt") is None
 
 
+@pytest.mark.parametrize("field, value", [("checkpoint_every", 0), ("warmup", -1), ("steps", 0)])
+def test_retrofit_refuses_bad_settings(tmp_path, field, value):
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4))
+    with pytest.raises(ValueError, match=f"{field}: expected an int"):
+        retrofit(model, _windows(), tmp_path, RetrofitSettings(**{field: value}), progress=False)
+
+
 def test_retrofit_refuses_a_plain_model(tmp_path):
     with pytest.raises(ValueError, match="model"):
         retrofit(tiny_model("llama"), _windows(), tmp_path, RetrofitSettings(steps=1), progress=False)

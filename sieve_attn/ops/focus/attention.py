@@ -7,8 +7,8 @@ Backends of the hard pattern (:func:`focus_attention`):
   few new queries against a cache; forward and backward.
 - ``"sdpa"``: the decomposition (:mod:`.decomposed`): tokens sorted by group, one batched causal SDPA-family call
   (cuDNN first) for the same-group pairs, masked calls for the cross-group window pairs, merged by log-sum-exp;
-  Tq == Tk, no softcap or attn_mask; forward and backward on the CPU, forward only on CUDA (its CUDA backward
-  failed the H200 gradient gate, so CUDA calls that need gradients are refused).
+  Tq == Tk, no softcap or attn_mask; forward and backward on the CPU. CUDA calls are refused: on the H200 its
+  CUDA backward failed the gradient gate and 4 of its CUDA tests failed (forward and backward checked together).
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
@@ -81,7 +81,7 @@ def focus_attention(
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     window = check_int("window", window, 0)
     causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    needs_grad = _needs_grad(q, k, v)
     name, _ = _resolve(q, k, groups.num_groups, causal=causal, softcap=softcap, attn_mask=attn_mask, backend=backend,
                        return_lse=return_lse, needs_grad=needs_grad)
     if name == "reference":
@@ -106,14 +106,20 @@ def focus_attention(
     return (result, lse) if return_lse else result
 
 
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd will ask gradients of any of ``tensors`` (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, causal: bool = True,
                   softcap: Optional[float] = None, attn_mask: Optional[torch.Tensor] = None, backend: str = "auto",
-                  return_lse: bool = False) -> tuple[str, str]:
-    """(backend, reason): the backend :func:`focus_attention` uses for these arguments, and why.
+                  return_lse: bool = False, v: Optional[torch.Tensor] = None) -> tuple[str, str]:
+    """(backend, reason): the backend :func:`focus_attention` uses for these arguments, and why. ``v`` (optional)
+    only tells whether gradients will be asked of it, as of q and k.
 
     Raises ValueError when an explicitly requested backend cannot serve the call."""
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    needs_grad = _needs_grad(q, k, v)
     return _resolve(q, k, groups.num_groups, causal=bool(causal), softcap=softcap, attn_mask=attn_mask, backend=backend,
                     return_lse=return_lse, needs_grad=needs_grad)
 
@@ -139,7 +145,7 @@ def _resolve(q, k, num_groups, *, causal, softcap, attn_mask, backend, return_ls
     if backend == "reference":
         return "reference", "requested"
     if backend == "sdpa":
-        blocker = sdpa_blocker(q, k, softcap, attn_mask, needs_grad)
+        blocker = sdpa_blocker(q, k, softcap, attn_mask)
         if blocker:
             fail("backend", "a call the decomposition backend can compute ('sdpa')", blocker)
         return "sdpa", "requested"
@@ -215,6 +221,8 @@ def focus_soft_attention(
         fail("assign", "a float tensor [B, T, K]", getattr(assign, "dtype", type(assign).__name__))
     if assign.dim() != 3 or assign.shape[0] != q.shape[0] or assign.shape[1] != k.shape[2] or assign.shape[2] < 1:
         fail("assign", f"shape [B={q.shape[0]}, T={k.shape[2]}, K>=1]", f"shape {tuple(assign.shape)}")
+    if assign.device != q.device:
+        fail("assign", f"a tensor on {q.device} (q's device)", assign.device)
     bad_assign = (~torch.isfinite(assign)).any() | (assign < 0).any()
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, value_checks=(
         ("assign", "finite, non-negative memberships", "negative or non-finite values", bad_assign),))

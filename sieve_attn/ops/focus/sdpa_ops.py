@@ -164,8 +164,10 @@ FAMILIES = {family.name: family for family in (
 # ---------------------------------------------------------------------------------------------------- choosing
 
 def masked_family(device: torch.device) -> Family:
-    """The family of the masked calls on ``device``."""
-    return FAMILIES["efficient" if device.type == "cuda" else "cpu"]
+    """The family of the masked calls on ``device``: the one family there that takes a mask."""
+    family = FAMILIES["efficient" if device.type == "cuda" else "cpu"]
+    assert family.masked
+    return family
 
 
 def causal_families(q, k, v) -> list[Family]:
