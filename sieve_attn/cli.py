@@ -190,6 +190,7 @@ def _train(model, tokenizer, args) -> dict:
     from . import compose
     from .train.retrofit import RetrofitSettings, retrofit
 
+    torch.manual_seed(args.seed)  # the routers' random start: the same in every process and every run
     compose(model, _focus_config(args))
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
     settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
@@ -204,7 +205,6 @@ def cmd_retrofit(args) -> int:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
     model, tokenizer = load_for_training(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    torch.manual_seed(args.seed)  # the routers' random start: the same in every process and every run
     result = _train(model, tokenizer, args)
     if is_main():
         print(f"adapter saved to {result['adapter']}; final loss {result['history'][-1][1]:.4f}")

@@ -42,3 +42,17 @@ def test_retrofit_then_eval_ppl(tmp_path, capsys):
     assert all(row["tokens"] == 63 and 1 < row["ppl"] < 1000 for row in rows.values())
     assert 0 < rows["hard"]["pairs_attended"] < 1
     assert "| hard |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_demo_is_reproducible(tmp_path):
+    """Two demos in one process (the global random state moved on between them) train and score alike."""
+    import torch
+
+    runs = []
+    for name in ("a", "b"):
+        torch.rand(7)
+        assert main(["demo", "--context", "64", "--threads", "2", "--steps", "1", "--eval-windows", "1",
+                     "--num-groups", "4", "--out", str(tmp_path / name)]) == 0
+        runs.append(json.loads((tmp_path / name / "results.json").read_text()))
+    assert runs[0]["loss_history"] == runs[1]["loss_history"] and runs[0]["rows"] == runs[1]["rows"]
