@@ -52,6 +52,17 @@ def fail_where(checks: list) -> None:
             fail(name, expected, got)
 
 
+def check_tensors_fit(what: str, tensors: dict, own: dict, description: str) -> None:
+    """ValueError unless ``tensors`` (name -> tensor, e.g. loaded from a file) has exactly the names of ``own`` (the
+    model's) and each one's shape; ``description`` says what ``own`` holds, e.g. "router tensors of this model"."""
+    if set(tensors) != set(own):
+        fail(what, f"the {len(own)} {description}", f"{len(tensors)} tensors, missing "
+             f"{sorted(set(own) - set(tensors))[:3]}, unexpected {sorted(set(tensors) - set(own))[:3]}")
+    for name, tensor in tensors.items():
+        if tensor.shape != own[name].shape:
+            fail(f"{what} tensor {name}", f"shape {tuple(own[name].shape)}", tuple(tensor.shape))
+
+
 def nan_checks(**tensors: torch.Tensor) -> list:
     """The :func:`fail_where` checks that each named tensor holds no NaN."""
     return [(name, "no NaN values", "NaN", torch.isnan(t).any()) for name, t in tensors.items()]

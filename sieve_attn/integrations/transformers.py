@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .._checks import fail
+from .._checks import check_tensors_fit, fail
 from .._files import atomic_write
 from ..config import FOCUS_INFERENCE_FIELDS, FocusConfig, SFAConfig
 from ..nn.focus_layer import FocusLayer
@@ -231,13 +231,7 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
         fail("model", f"a model composed with the adapter's configs {focus}, {sfa}",
              f"{model.sieve_config}, {model.sieve_sfa_config}")
     tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
-    current = adapter_state(model)
-    if set(tensors) != set(current):
-        fail("adapter", f"tensors {len(current)} named as this model's Focus layers",
-             f"missing {sorted(set(current) - set(tensors))[:3]}, unexpected {sorted(set(tensors) - set(current))[:3]}")
-    for name, tensor in tensors.items():
-        if tensor.shape != current[name].shape:
-            fail(f"adapter tensor {name}", f"shape {tuple(current[name].shape)}", tuple(tensor.shape))
+    check_tensors_fit("adapter", tensors, adapter_state(model), "tensors named as this model's Focus layers")
     model.load_state_dict(tensors, strict=False)
     if focus is not None:
         set_focus_mode(model, focus.mode)

@@ -139,13 +139,19 @@ def _attend_block(qb, k, v, q_pos, k_pos, block_mask, *, scale, causal, pair_mas
     allowed = _allowed(causal, pair_mask, q_pos, k_pos, block_mask)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
+    return _softmax_values(scores, v.to(compute_dtype))
+
+
+def _softmax_values(scores, v, in_place: bool = False):
+    """(softmax(scores) @ v [B, Hkv, G, bq, D], lse [B, Hkv, G, bq]) of masked logits [B, Hkv, G, bq, bk]; a fully
+    masked row gives out 0 and lse -inf. ``in_place`` reuses ``scores`` for the probabilities (no autograd)."""
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
-    probs = torch.exp(scores - row_max)
+    probs = scores.sub_(row_max).exp_() if in_place else torch.exp(scores - row_max)
     total = probs.sum(dim=-1, keepdim=True)
     # total is 0 for a fully masked row and >= 1 otherwise (the row maximum contributes exp(0)), so clamping at 1
     # changes nothing but the empty rows, which then give 0 instead of 0/0.
-    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v.to(compute_dtype)) / total.clamp_min(1.0)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v) / total.clamp_min(1.0)
     lse = torch.where(total > 0, row_max + torch.log(total.clamp_min(1.0)), torch.full_like(total, float("-inf")))
     return out, lse.squeeze(-1)
 
@@ -241,14 +247,8 @@ class _GatedAttention(torch.autograd.Function):
             block_mask = None if attn_mask is None else attn_mask[..., start:stop, :key_stop]
             probs = _gated_logits(settings, qg[:, :, :, start:stop], k[:, :, :key_stop], q_pos, k_pos, block_mask,
                                   gate_inputs, compute_dtype)
-            row_max = probs.amax(dim=-1, keepdim=True)
-            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-            probs.sub_(row_max).exp_()
-            total = probs.sum(dim=-1, keepdim=True)
-            block_out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v[:, :, :key_stop].to(compute_dtype))
-            out[:, :, :, start:stop] = block_out / total.clamp_min(1.0)
-            lse[:, :, :, start:stop] = torch.where(total > 0, row_max + torch.log(total.clamp_min(1.0)),
-                                                   torch.full_like(total, float("-inf"))).squeeze(-1)
+            out[:, :, :, start:stop], lse[:, :, :, start:stop] = _softmax_values(
+                probs, v[:, :, :key_stop].to(compute_dtype), in_place=True)
         ctx.settings = settings
         ctx.save_for_backward(qg, k, v, attn_mask, out, lse, *gate_inputs)
         return out.to(qg.dtype), lse

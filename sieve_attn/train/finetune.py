@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .._checks import fail
+from .._checks import check_tensors_fit, fail
 from .._files import atomic_write
 from ..integrations.transformers import LAYER_ATTR, sfa_layers
 from . import distributed, loop
@@ -119,7 +119,7 @@ def _restore(model, optimizer, params: dict, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    _check_weights("checkpoint", state["weights"], params)
+    check_tensors_fit("checkpoint", state["weights"], params, "weights of this model")
     # strict=False: the checkpoint holds the trained weights, not the buffers or the Focus routers.
     set_model_state_dict(model, dict(state["weights"]), options=StateDictOptions(full_state_dict=True, strict=False))
     names = dict(enumerate(params))
@@ -182,19 +182,9 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     return {"steps": settings.steps, "history": history, "weights": str(weights)}
 
 
-def _check_weights(what: str, tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
-    """ValueError unless ``tensors`` has exactly the names of ``own`` and their shapes."""
-    if set(tensors) != set(own):
-        fail(what, f"the {len(own)} weights of this model", f"{len(tensors)} tensors, "
-             f"missing {sorted(set(own) - set(tensors))[:2]}, unexpected {sorted(set(tensors) - set(own))[:2]}")
-    for name, tensor in tensors.items():
-        if tensor.shape != own[name].shape:
-            fail(f"{what} tensor {name}", f"shape {tuple(own[name].shape)}", tuple(tensor.shape))
-
-
 def load_weights(model, path) -> None:
     """Loads fine-tuned weights written by :func:`finetune` (``model.safetensors``) into ``model``; refuses a file
     whose tensors do not match the model's own weights in name and shape."""
     tensors = load_file(str(path))
-    _check_weights("weights", tensors, base_parameters(model))
+    check_tensors_fit("weights", tensors, base_parameters(model), "weights of this model")
     model.load_state_dict(tensors, strict=False)

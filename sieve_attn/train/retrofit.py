@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .._checks import fail
+from .._checks import check_tensors_fit, fail
 from ..integrations.transformers import adapter_state, focus_layers, is_composed, save_adapter, set_focus_mode
 from . import distributed, loop
 
@@ -52,12 +52,7 @@ def _load_routers(model, routers: dict[str, torch.Tensor]) -> None:
     """Copies a checkpoint's router tensors into the model's own, through the state-dict views ``adapter_state``
     returns (also right when FSDP shards the base or activation checkpointing renames the layers)."""
     current = adapter_state(model)
-    if set(routers) != set(current):
-        fail("checkpoint", f"the {len(current)} router tensors of this model",
-             f"missing {sorted(set(current) - set(routers))[:3]}, unexpected {sorted(set(routers) - set(current))[:3]}")
-    for name, tensor in routers.items():
-        if tensor.shape != current[name].shape:
-            fail(f"checkpoint tensor {name}", f"shape {tuple(current[name].shape)}", tuple(tensor.shape))
+    check_tensors_fit("checkpoint", routers, current, "router tensors of this model")
     with torch.no_grad():
         for name, tensor in routers.items():
             current[name].copy_(tensor)
