@@ -7,6 +7,10 @@ loading, kernel compilation and the first steps cancel out. The loss histories o
 checkpoints) are compared step by step with the one-process run. Peak memory per GPU is sampled with nvidia-smi
 (it includes the CUDA context). Writes multi_gpu.json to --out.
 
+The launch "micro" is one process running each global batch as micro-batches of one GPU's share (gradient
+accumulation): the same batch shapes as the N-process runs in one process. Its losses against the one-process run's
+are the rounding noise of the batch shape; the N-process runs are compared with both.
+
     python benchmarks/multi_gpu.py --gpus 2 --out runs/multi_gpu retrofit --dtype bfloat16 --context 4096
 """
 from __future__ import annotations
@@ -80,13 +84,28 @@ def run(prefix: list[str], command: list[str], steps: int, out: Path, log) -> di
             "losses": [entry[1] for entry in state["history"]]}
 
 
+def compare(launches: dict) -> None:
+    """Adds to each finished launch its largest loss difference to the "1" and "micro" runs and its speedup and
+    scaling efficiency over "1"."""
+    finished = {name: entry for name, entry in launches.items() if "tokens_per_second" in entry}
+    for name, entry in finished.items():
+        for reference in ("1", "micro"):
+            if reference != name and reference in finished:
+                a, b = finished[reference]["runs"][1]["losses"], entry["runs"][1]["losses"]
+                entry[f"max_loss_difference_to_{reference}"] = max(abs(x - y) for x, y in zip(a, b))
+        if name != "1" and "1" in finished:
+            entry["speedup"] = entry["tokens_per_second"] / finished["1"]["tokens_per_second"]
+            entry["scaling_efficiency"] = entry["speedup"] / entry["processes"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--short", type=int, default=10)
     parser.add_argument("--long", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=2, help="global batch (a multiple of --gpus)")
-    parser.add_argument("--launches", default="1,replicated,fsdp", help="comma list of 1, replicated, fsdp")
+    parser.add_argument("--launches", default="1,micro,replicated,fsdp",
+                        help="comma list of 1, micro, replicated, fsdp")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run on gloo")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -94,15 +113,17 @@ def main() -> int:
     args = parser.parse_args()
     command = [*args.command, "--device", args.device, "--batch-size", str(args.batch_size)]
     context = int(command[command.index("--context") + 1]) if "--context" in command else 1024
-    launches = {"1": (1, False), "replicated": (args.gpus, False), "fsdp": (args.gpus, True)}
+    share = ["--micro-batch", str(args.batch_size // args.gpus)]
+    launches = {"1": (1, False, []), "micro": (1, False, share), "replicated": (args.gpus, False, []),
+                "fsdp": (args.gpus, True, [])}
     record = {"command": command, "gpus": args.gpus, "batch_size": args.batch_size, "context": context,
               "short": args.short, "long": args.long, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
               "versions": {"torch": torch.__version__}, "launches": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "multi_gpu.log", "w") as log:
         for name in args.launches.split(","):
-            processes, fsdp = launches[name]
-            runs = [run(launch(processes, fsdp), command, steps, args.out / f"{name}-{steps}", log)
+            processes, fsdp, extra = launches[name]
+            runs = [run(launch(processes, fsdp), [*command, *extra], steps, args.out / f"{name}-{steps}", log)
                     for steps in (args.short, args.long)]
             entry = {"processes": processes, "fsdp": fsdp, "runs": runs}
             if not any("failed" in r for r in runs):
@@ -110,18 +131,9 @@ def main() -> int:
                 tokens = (long["steps"] - short["steps"]) * args.batch_size * context
                 entry["tokens_per_second"] = tokens / (long["seconds"] - short["seconds"])
             record["launches"][name] = entry
+            compare(record["launches"])
             print(name, {k: v for k, v in entry.items() if k != "runs"}, flush=True)
-    one = record["launches"].get("1", {})
-    for name, entry in record["launches"].items():
-        if name == "1" or "tokens_per_second" not in entry or "tokens_per_second" not in one:
-            continue
-        a, b = one["runs"][1]["losses"], entry["runs"][1]["losses"]
-        entry["max_loss_difference"] = max(abs(x - y) for x, y in zip(a, b))
-        entry["speedup"] = entry["tokens_per_second"] / one["tokens_per_second"]
-        entry["scaling_efficiency"] = entry["speedup"] / entry["processes"]
-        print(name, "speedup", round(entry["speedup"], 3), "efficiency", round(entry["scaling_efficiency"], 3),
-              "max loss difference", entry["max_loss_difference"], flush=True)
-    (args.out / "multi_gpu.json").write_text(json.dumps(record, indent=1))
+            (args.out / "multi_gpu.json").write_text(json.dumps(record, indent=1))  # after each: a cut run keeps some
     return 0
 
 

@@ -47,6 +47,9 @@ def _train_args(parser: argparse.ArgumentParser, steps: int, lr: float = 1e-2) -
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=int, default=steps, help=f"optimizer steps ({steps})")
     group.add_argument("--batch-size", type=int, default=1, help="windows per step (1)")
+    group.add_argument("--micro-batch", type=int, default=None,
+                       help="windows per forward and backward; gradients of the micro-batches add up before each "
+                            "step (default: each process's whole share of the batch at once)")
     group.add_argument("--lr", type=float, default=lr, help=f"AdamW peak learning rate ({lr:g})")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--checkpoint-every", type=int, default=10, help="steps between atomic checkpoints (10)")
@@ -194,7 +197,7 @@ def _train(model, tokenizer, args) -> dict:
     compose(model, _focus_config(args))
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
     settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                checkpoint_every=args.checkpoint_every)
+                                checkpoint_every=args.checkpoint_every, micro_batch=args.micro_batch)
     return retrofit(model, windows, args.out, settings, resume=args.resume)
 
 
@@ -285,7 +288,8 @@ def cmd_finetune(args) -> int:
     before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight)
+                                checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
+                                micro_batch=args.micro_batch)
     result = finetune(model, windows, args.out, settings, resume=args.resume)
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:

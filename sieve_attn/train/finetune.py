@@ -26,13 +26,7 @@ _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
 
 
 @dataclass
-class FinetuneSettings:
-    steps: int = 100
-    batch_size: int = 1
-    lr: float = 5e-5
-    warmup: int = 10
-    seed: int = 0
-    checkpoint_every: int = 25
+class FinetuneSettings(loop.TrainSettings):
     matching_weight: float = 1.0
 
 
@@ -62,18 +56,24 @@ def _clear(layers) -> None:
         layer.matching_terms.clear()
 
 
-def _train_step(model, params, optimizer, layers, matching_weight: float, runtime, batch: torch.Tensor) -> tuple:
-    """One optimizer step on this process's share of a global batch; returns (LM loss, matching term or None) of
-    the global batch."""
-    lm = model(batch, labels=batch, use_cache=False).loss
-    matching = _matching_loss(layers)
-    loss = lm if matching is None else lm + matching_weight * matching
+def _train_step(model, params, optimizer, layers, matching_weight: float, runtime,
+                micro_batches: tuple[torch.Tensor, ...]) -> tuple:
+    """One optimizer step on this process's share of a global batch, given as equal micro-batches; returns (LM
+    loss, matching term or None) of the global batch."""
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    _clear(layers)  # activation checkpointing runs the layers again in backward, which records the terms again
+    lm_total, matching_total = 0.0, None
+    for batch in micro_batches:
+        lm = model(batch, labels=batch, use_cache=False).loss / len(micro_batches)
+        matching = _matching_loss(layers)
+        if matching is not None:
+            matching = matching / len(micro_batches)
+            matching_total = matching.detach() + (0.0 if matching_total is None else matching_total)
+        (lm if matching is None else lm + matching_weight * matching).backward()
+        _clear(layers)  # activation checkpointing runs the layers again in backward, which records the terms again
+        lm_total += lm.detach()
     runtime.average_gradients(params)
     optimizer.step()
-    return runtime.mean(lm), None if matching is None else runtime.mean(matching)
+    return runtime.mean(lm_total), None if matching_total is None else runtime.mean(matching_total)
 
 
 def _gather_options():

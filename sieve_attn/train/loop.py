@@ -20,13 +20,29 @@ CHECKPOINT = "checkpoint.pt"
 
 
 @dataclass
+class TrainSettings:
+    """What every training loop takes. ``micro_batch``: windows per forward and backward; each process's share of a
+    global batch is cut into micro-batches of this size whose gradients add up before the one optimizer step
+    (gradient accumulation: the memory of a small batch, the result of the whole one). None: the whole share at
+    once."""
+
+    steps: int = 100
+    batch_size: int = 1
+    lr: float = 5e-5
+    warmup: int = 10
+    seed: int = 0
+    checkpoint_every: int = 25
+    micro_batch: int | None = None
+
+
+@dataclass
 class Job:
     """One kind of training.
 
     - ``name``: the progress bar's label.
-    - ``step(batch)``: one optimizer step on this process's share [b, T] of a global batch (the learning rate is
-      already set); returns the values the history records for the step, each the value of the global batch, the
-      loss first.
+    - ``step(micro_batches)``: one optimizer step on this process's share of a global batch, given as equal
+      micro-batches [m, T] (the learning rate is already set); returns the values the history records for the step,
+      each the value of the global batch, the loss first.
     - ``snapshot()``: the trained tensors and the optimizer state, as the checkpoint holds them besides "step",
       "history" and "settings". Every process calls it (gathering sharded tensors is collective); only the main
       process's answer is written.
@@ -42,10 +58,13 @@ class Job:
 
 def check_settings(windows: torch.Tensor, settings) -> None:
     """ValueError unless ``settings.steps``, ``settings.batch_size`` and ``settings.checkpoint_every`` are ints >= 1,
-    ``settings.warmup`` an int >= 0, ``settings.lr`` > 0 and ``windows`` is token ids [N >= 1, T]."""
+    ``settings.micro_batch`` None or an int >= 1, ``settings.warmup`` an int >= 0, ``settings.lr`` > 0 and
+    ``windows`` is token ids [N >= 1, T]."""
     check_int("steps", settings.steps, 1)
     check_int("batch_size", settings.batch_size, 1)
     check_int("checkpoint_every", settings.checkpoint_every, 1)
+    if settings.micro_batch is not None:
+        check_int("micro_batch", settings.micro_batch, 1)
     check_int("warmup", settings.warmup, 0)
     check_positive_float("lr", settings.lr)
     if windows.dim() != 2 or len(windows) == 0:
@@ -59,7 +78,8 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
 
     Step s trains on the global batch of windows ``order[(s * batch_size + i) % N]`` for i < ``batch_size``, where
     ``order`` is a permutation of the N windows drawn from ``settings.seed``; ``runtime.share`` picks this process's
-    part, which goes to ``device``. The learning rate follows :func:`~sieve_attn.train.schedule.lr_at`. Every
+    part, which goes to ``device`` cut into micro-batches of ``settings.micro_batch`` windows (it must divide the
+    share: ValueError otherwise). The learning rate follows :func:`~sieve_attn.train.schedule.lr_at`. Every
     ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
     main process: {"step", **``job.snapshot()``, "history", "settings"}. ``resume=True`` continues from that file
     when it exists (every process reads it); the run then equals an uninterrupted one.
@@ -67,6 +87,10 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
     path = Path(out_dir) / CHECKPOINT
     start, history = _resume(job, path) if resume else (0, [])
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
+    share = len(runtime.share(list(range(settings.batch_size))))
+    micro = settings.micro_batch or share
+    if share % micro:
+        fail("micro_batch", f"a divisor of each process's share of the batch ({share} windows)", micro)
     bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc=job.name,
                disable=not (progress and runtime.is_main))
     for step in bar:
@@ -74,7 +98,7 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
         batch = windows[order[runtime.share(picks)]].to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, settings)
-        history.append((step + 1, *job.step(batch)))
+        history.append((step + 1, *job.step(batch.split(micro))))
         bar.set_postfix(loss=f"{history[-1][1]:.3f}")
         if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
             state = job.snapshot()

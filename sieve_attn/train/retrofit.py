@@ -13,13 +13,9 @@ from . import distributed, loop
 
 
 @dataclass
-class RetrofitSettings:
+class RetrofitSettings(loop.TrainSettings):
     steps: int = 200
-    batch_size: int = 1
     lr: float = 1e-2
-    warmup: int = 10
-    seed: int = 0
-    checkpoint_every: int = 25
 
 
 def _check_arguments(model, windows: torch.Tensor, settings: RetrofitSettings) -> None:
@@ -67,23 +63,31 @@ def _copy(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         target.copy_(value)
 
 
-def _train_step(model, trainable, optimizer, runtime, batch: torch.Tensor) -> tuple[float]:
-    """One optimizer step on this process's share of a global batch; returns (the loss of the global batch,)."""
+def _train_step(model, trainable, optimizer, runtime, micro_batches: tuple[torch.Tensor, ...]) -> tuple[float]:
+    """One optimizer step on this process's share of a global batch, given as equal micro-batches; returns (the loss
+    of the global batch,)."""
     buffers = _router_buffers(model)
     before = [buffer.clone() for buffer in buffers]
-    loss = model(batch, labels=batch, use_cache=False).loss
-    after = [buffer.clone() for buffer in buffers]
-    # Activation checkpointing runs each layer's forward again in backward, router included, which updates the
-    # running group biases again. Backward starts from the biases the forward started from, so a recomputation sees
-    # and does exactly what the forward did; then the forward's result is put back.
-    _copy(buffers, before)
+    updated = [torch.zeros_like(buffer) for buffer in buffers]
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    _copy(buffers, after)
+    total = 0.0
+    for batch in micro_batches:
+        loss = model(batch, labels=batch, use_cache=False).loss / len(micro_batches)
+        for sum_, buffer in zip(updated, buffers):
+            sum_ += buffer / len(micro_batches)
+        # Each micro-batch starts from the biases the step started from, and the step ends at the mean of their
+        # updates: what processes that each took one micro-batch do. Activation checkpointing runs each layer's
+        # forward again in backward, router included, which updates the biases again; backward starts from the
+        # biases the forward started from, so a recomputation sees and does exactly what the forward did.
+        _copy(buffers, before)
+        loss.backward()
+        _copy(buffers, before)
+        total += loss.detach()
+    _copy(buffers, updated)
     runtime.average_gradients(trainable)
     runtime.average_(buffers)  # each process updated them from its own share of the batch
     optimizer.step()
-    return (runtime.mean(loss),)
+    return (runtime.mean(total),)
 
 
 def _restore(model, optimizer, state: dict) -> None:

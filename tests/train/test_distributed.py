@@ -204,6 +204,21 @@ def test_two_processes_train_like_one(runs, task):
 
 
 @pytest.mark.parametrize("task", TASKS)
+def test_one_process_with_micro_batches_trains_like_two_processes(tmp_path, runs, task):
+    """Gradient accumulation: one process running each batch of 4 as two micro-batches of 2 (what each of two
+    processes runs) ends as the two-process run. The model sees forwards of 2 windows only."""
+    model = model_for(task)
+    sizes = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(len(kwargs.get("input_ids", args[0]
+                                                                                                 if args else None))),
+                                    with_kwargs=True)
+    with threads(1):
+        train(task, model, tmp_path, {**SETTINGS[task], "micro_batch": 2})
+    assert sizes and set(sizes) == {2}
+    _assert_same_run(task, tmp_path, runs(task, 2))
+
+
+@pytest.mark.parametrize("task", TASKS)
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, home, runs, task):
     """Both processes die at the start of step 4 of 6 (after the checkpoint of step 3), as with ``kill -9``; a
     second launch resumes. One plain process resumes a copy of the same checkpoint (the format is the same), its

@@ -178,6 +178,15 @@ def test_retrofit_refuses_bad_settings(tmp_path, field, value):
         retrofit(model, _windows(), tmp_path, RetrofitSettings(**{field: value}), progress=False)
 
 
+def test_micro_batch_must_divide_the_batch(tmp_path):
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4))
+    with pytest.raises(ValueError, match=r"micro_batch: expected a divisor of each process's share of the batch "
+                                         r"\(4 windows\), got 3"):
+        retrofit(model, _windows(), tmp_path, RetrofitSettings(steps=1, batch_size=4, micro_batch=3), progress=False)
+    with pytest.raises(ValueError, match="micro_batch: expected an int"):
+        retrofit(model, _windows(), tmp_path, RetrofitSettings(steps=1, micro_batch=0), progress=False)
+
+
 def test_retrofit_refuses_a_plain_model(tmp_path):
     with pytest.raises(ValueError, match="model"):
         retrofit(tiny_model("llama"), _windows(), tmp_path, RetrofitSettings(steps=1), progress=False)
