@@ -6,7 +6,7 @@ import torch
 
 from sieve_attn import FocusGroups, focus_attention
 from sieve_attn.ops.focus.reference import group_bits
-from sieve_attn.ops.merge import merge_extra_partials
+from sieve_attn.ops.merge import merge_extra_partials, merge_partials
 
 
 def test_extend_and_span_keep_ids_bits_and_group_count():
@@ -36,23 +36,60 @@ def test_bad_memberships_are_refused(bad, message):
         FocusGroups.of(bad, 1, 3, "cpu")
 
 
+def _key_set_partials(scores, v, sets):
+    """(out [len(sets), D], lse [len(sets)]) of one query row over each key set; an empty set gives 0 and -inf."""
+    outs = [torch.softmax(scores[keys], 0) @ v[keys] if len(keys) else torch.zeros(v.shape[1]) for keys in sets]
+    return torch.stack(outs), torch.stack([torch.logsumexp(scores[keys], 0) for keys in sets])
+
+
 def test_merge_of_extra_partials_equals_attention_over_the_union():
     """Two disjoint key sets of one query row, merged by log-sum-exp, give attention over all keys; rows without an
     extra partial are untouched."""
     torch.manual_seed(0)
     q, k, v = torch.randn(4), torch.randn(6, 4), torch.randn(6, 4)
     scores = k @ q
-
-    def partial(keys):
-        return torch.softmax(scores[keys], 0) @ v[keys], torch.logsumexp(scores[keys], 0)
-
-    (o1, l1), (o2, l2) = partial(slice(0, 2)), partial(slice(2, 6))
+    (o1, o2), (l1, l2) = _key_set_partials(scores, v, [[0, 1], [2, 3, 4, 5]])
     out = torch.stack([o1, torch.ones(4)])[None, None].clone()       # [B=1, H=1, T=2, D]
     lse = torch.stack([l1, torch.tensor(0.5)])[None, None].clone()
     merge_extra_partials(out, lse, o2[None, None], l2[None, None], torch.tensor([0]), torch.tensor([0]))
     torch.testing.assert_close(out[0, 0, 0], torch.softmax(scores, 0) @ v)
     torch.testing.assert_close(lse[0, 0, 0], torch.logsumexp(scores, 0))
     assert out[0, 0, 1].tolist() == [1.0] * 4 and lse[0, 0, 1].item() == 0.5
+
+
+def test_merge_of_partials_by_row_matches_fp64_and_gives_fully_masked_rows_zero_without_nan():
+    """Row 0: a base and two more partials (one an empty set); row 1: only empty sets (out 0, lse -inf, finite
+    gradients); row 2: the base alone. Float32 merge against attention over the union in float64."""
+    torch.manual_seed(1)
+    scores, v = torch.randn(9, dtype=torch.float64) * 3, torch.randn(9, 4, dtype=torch.float64)
+    base_out, base_lse = _key_set_partials(scores, v, [[0, 1], [], [5, 6, 7, 8]])
+    out_rows, lse_rows = _key_set_partials(scores, v, [[2, 3, 4], [], []])
+    base = tuple(t.float()[:, None].requires_grad_() for t in (base_out, base_lse))  # H = 1
+    rows = [t.float()[:, None].requires_grad_() for t in (out_rows, lse_rows)]
+    out, lse = merge_partials(base, *rows, torch.tensor([0, 0, 1]), 3)
+    assert out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(out[0, 0].double(), torch.softmax(scores[:5], 0) @ v[:5], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse[0, 0].double(), torch.logsumexp(scores[:5], 0), rtol=1e-6, atol=1e-6)
+    assert out[1].eq(0).all() and lse[1].item() == float("-inf")
+    torch.testing.assert_close(out[2, 0].double(), base_out[2], rtol=1e-6, atol=1e-6)
+    (out.sum() + lse[[0, 2]].sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (*base, *rows))
+
+
+def test_merge_of_extra_partials_takes_several_per_token():
+    """Token 1 gets three extra partials (one over an empty set), interleaved with one for token 0; token 2 none."""
+    torch.manual_seed(2)
+    scores, v = torch.randn(3, 8), torch.randn(8, 4)
+    base = [_key_set_partials(scores[t], v, [[0, 1]]) for t in range(3)]
+    out = torch.cat([o for o, _ in base])[None, None].clone()  # [B=1, H=1, T=3, D]
+    lse = torch.cat([l for _, l in base])[None, None].clone()
+    extra_out, extra_lse = zip(*(_key_set_partials(scores[t], v, [keys]) for t, keys in
+                                 [(1, [2, 3]), (0, [2, 3, 4, 5, 6, 7]), (1, []), (1, [4, 5, 6])]))
+    merge_extra_partials(out, lse, torch.cat(extra_out)[:, None], torch.cat(extra_lse)[:, None],
+                         torch.zeros(4, dtype=torch.long), torch.tensor([1, 0, 1, 1]))
+    for t, keys in enumerate([slice(0, 8), slice(0, 7), slice(0, 2)]):
+        torch.testing.assert_close(out[0, 0, t], torch.softmax(scores[t, keys], 0) @ v[keys])
+        torch.testing.assert_close(lse[0, 0, t], torch.logsumexp(scores[t, keys], 0))
 
 
 def test_decode_checks_only_new_tokens_for_nan_and_refuses_them():

@@ -34,6 +34,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..merge import merge_partials
 from .groups import FocusGroups
 from .sdpa_ops import causal_call, masked_family
 
@@ -266,31 +267,6 @@ def _clear_empty(out: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor):
     return out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
 
 
-def merge_rows(base, out_rows: torch.Tensor, lse_rows: torch.Tensor, token: torch.Tensor, count: int,
-               dtype: torch.dtype):
-    """Log-sum-exp merge of partial results over disjoint key sets (the rule of :mod:`sieve_attn.ops.merge`),
-    by token: partial e (out_rows [E, H, D], lse_rows [E, H]) belongs to token ``token[e]`` (a token may own
-    several); ``base`` = (out [N, H, D], lse [N, H]) holds one more for each of the N = ``count`` tokens, or is
-    None. Returns (out [N, H, D], lse [N, H]) in ``dtype``; a token with no finite partial gets 0 and -inf."""
-    out_rows, lse_rows = out_rows.to(dtype), lse_rows.to(dtype)
-    heads = lse_rows.shape[1]
-    top = lse_rows.new_full((count, heads), float("-inf")) if base is None else base[1].to(dtype)
-    top = top.scatter_reduce(0, token[:, None].expand(-1, heads), lse_rows, "amax")
-    # The shift only keeps exp() in range: a constant, whatever autograd sees of the partials (flex's lse has one).
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
-    weight = torch.exp(lse_rows - top[token])
-    total = top.new_zeros(count, heads).index_add_(0, token, weight)
-    out = out_rows.new_zeros(count, heads, out_rows.shape[2]).index_add_(0, token, weight[..., None] * out_rows)
-    if base is not None:
-        base_weight = torch.exp(base[1].to(dtype) - top)
-        total += base_weight
-        out += base_weight[..., None] * base[0].to(dtype)
-    filled = total > 0
-    out = torch.where(filled[..., None], out / torch.where(filled, total, 1.0)[..., None], 0.0)
-    lse = torch.where(filled, top + torch.log(torch.where(filled, total, 1.0)), float("-inf"))
-    return out, lse
-
-
 # ---------------------------------------------------------------------------------------------------- the plan
 
 class _Plan:
@@ -316,8 +292,8 @@ class _Plan:
         dtype = torch.promote_types(q.dtype, torch.float32)
         out_rows, lse_rows = self._group_forward(q, k, v)
         base = self._window_forward(q, k, v) if self.blocks else None
-        out, lse = merge_rows(base, out_rows, lse_rows, self.sorted.batch * self.length + self.sorted.position,
-                              self.batch * self.length, dtype)
+        rows = self.sorted.batch * self.length + self.sorted.position
+        out, lse = merge_partials(base, out_rows, lse_rows, rows, self.batch * self.length, dtype)
         out = out.unflatten(0, (self.batch, self.length)).transpose(1, 2).to(q.dtype).contiguous()
         return out, lse.unflatten(0, (self.batch, self.length)).transpose(1, 2).contiguous()
 
