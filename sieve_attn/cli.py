@@ -193,7 +193,12 @@ def _train(model, tokenizer, args) -> dict:
     from . import compose
     from .train.retrofit import RetrofitSettings, retrofit
 
-    torch.manual_seed(args.seed)  # the routers' random start: the same in every process and every run
+    # The routers' random start (compose draws it from torch's default generator) must follow --seed: torch seeds
+    # that generator from the operating system in every new process (two `python -c "import torch;
+    # print(torch.initial_seed())"` print different numbers), so unseeded, every run started from other routers.
+    # That was the demo's run-to-run spread (first loss 2.381 vs 2.392, hard top-3 PPL 6.70-6.77); seeded, two
+    # processes give the same losses and PPLs to the last bit. Under a launcher it also gives every rank the same start.
+    torch.manual_seed(args.seed)
     compose(model, _focus_config(args))
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
     settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
