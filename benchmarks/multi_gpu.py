@@ -1,23 +1,24 @@
 """Training on several GPUs against one: the same global batches, the loss curves compared, throughput measured.
 
 For each launch (one process; N processes with the model replicated; N processes with FSDP2) the command
-(`sieve retrofit` or `sieve finetune`) runs twice, for --short and --long steps, on the same data. Throughput is
-(long - short) steps x global batch x context tokens over the difference of the two runs' wall times, so model
-loading, kernel compilation and the first steps cancel out. The loss histories of the long runs (from their
-checkpoints) are compared step by step with the one-process run. Peak memory per GPU is sampled with nvidia-smi
-(it includes the CUDA context). Writes multi_gpu.json to --out.
+(`sieve retrofit` or `sieve finetune`) runs --steps steps on the same data. Throughput is global batch x context
+tokens over the median step time of rank 0 after the first --warmup-steps steps (the checkpoint's "step_seconds":
+model loading, kernel compilation and checkpoint writing are left out). The loss histories (from the checkpoints)
+are compared step by step. Peak memory per GPU is sampled with nvidia-smi (it includes the CUDA context). Writes
+multi_gpu.json to --out after each launch.
 
 The launch "micro" is one process running each global batch as micro-batches of one GPU's share (gradient
 accumulation): the same batch shapes as the N-process runs in one process. Its losses against the one-process run's
 are the rounding noise of the batch shape; the N-process runs are compared with both.
 
-    python benchmarks/multi_gpu.py --gpus 2 --out runs/multi_gpu retrofit --dtype bfloat16 --context 4096
+    python benchmarks/multi_gpu.py --gpus 2 --batch-size 4 --out runs/multi_gpu retrofit --dtype bfloat16 --context 4096
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import shutil
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def launch(processes: int, fsdp: bool) -> list[str]:
 
 
 def run(prefix: list[str], command: list[str], steps: int, out: Path, log) -> dict:
-    """Runs one training command to completion; returns its wall time, peak memory and loss history."""
+    """Runs one training command to completion; returns its wall time, peak memory, loss history and step times."""
     out.mkdir(parents=True, exist_ok=True)
     args = [*prefix, *command, "--steps", str(steps), "--checkpoint-every", str(steps), "--out", str(out)]
     log.write(f"$ {' '.join(args)}\n")
@@ -81,7 +82,7 @@ def run(prefix: list[str], command: list[str], steps: int, out: Path, log) -> di
         return {"steps": steps, "failed": done.returncode}
     state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
     return {"steps": steps, "seconds": seconds, "peak_mib": memory.peak,
-            "losses": [entry[1] for entry in state["history"]]}
+            "losses": [entry[1] for entry in state["history"]], "step_seconds": state["step_seconds"]}
 
 
 def compare(launches: dict) -> None:
@@ -91,7 +92,7 @@ def compare(launches: dict) -> None:
     for name, entry in finished.items():
         for reference in ("1", "micro"):
             if reference != name and reference in finished:
-                a, b = finished[reference]["runs"][1]["losses"], entry["runs"][1]["losses"]
+                a, b = finished[reference]["run"]["losses"], entry["run"]["losses"]
                 entry[f"max_loss_difference_to_{reference}"] = max(abs(x - y) for x, y in zip(a, b))
         if name != "1" and "1" in finished:
             entry["speedup"] = entry["tokens_per_second"] / finished["1"]["tokens_per_second"]
@@ -101,8 +102,8 @@ def compare(launches: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--short", type=int, default=10)
-    parser.add_argument("--long", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the step time (2)")
     parser.add_argument("--batch-size", type=int, default=2, help="global batch (a multiple of --gpus)")
     parser.add_argument("--launches", default="1,micro,replicated,fsdp",
                         help="comma list of 1, micro, replicated, fsdp")
@@ -111,28 +112,29 @@ def main() -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="`retrofit ...` or `finetune ...` with their options (not --steps/--out/--batch-size)")
     args = parser.parse_args()
+    if args.steps <= args.warmup_steps:
+        parser.error(f"--steps: expected more than --warmup-steps ({args.warmup_steps}), got {args.steps}")
     command = [*args.command, "--device", args.device, "--batch-size", str(args.batch_size)]
     context = int(command[command.index("--context") + 1]) if "--context" in command else 1024
     share = ["--micro-batch", str(args.batch_size // args.gpus)]
     launches = {"1": (1, False, []), "micro": (1, False, share), "replicated": (args.gpus, False, []),
                 "fsdp": (args.gpus, True, [])}
     record = {"command": command, "gpus": args.gpus, "batch_size": args.batch_size, "context": context,
-              "short": args.short, "long": args.long, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+              "steps": args.steps, "warmup_steps": args.warmup_steps,
+              "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
               "versions": {"torch": torch.__version__}, "launches": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "multi_gpu.log", "w") as log:
         for name in args.launches.split(","):
             processes, fsdp, extra = launches[name]
-            runs = [run(launch(processes, fsdp), [*command, *extra], steps, args.out / f"{name}-{steps}", log)
-                    for steps in (args.short, args.long)]
-            entry = {"processes": processes, "fsdp": fsdp, "runs": runs}
-            if not any("failed" in r for r in runs):
-                short, long = runs
-                tokens = (long["steps"] - short["steps"]) * args.batch_size * context
-                entry["tokens_per_second"] = tokens / (long["seconds"] - short["seconds"])
+            result = run(launch(processes, fsdp), [*command, *extra], args.steps, args.out / name, log)
+            entry = {"processes": processes, "fsdp": fsdp, "run": result}
+            if "failed" not in result:
+                entry["median_step_seconds"] = statistics.median(result["step_seconds"][args.warmup_steps:])
+                entry["tokens_per_second"] = args.batch_size * context / entry["median_step_seconds"]
             record["launches"][name] = entry
             compare(record["launches"])
-            print(name, {k: v for k, v in entry.items() if k != "runs"}, flush=True)
+            print(name, {k: v for k, v in entry.items() if k != "run"}, flush=True)
             (args.out / "multi_gpu.json").write_text(json.dumps(record, indent=1))  # after each: a cut run keeps some
     return 0
 

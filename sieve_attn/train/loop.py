@@ -5,6 +5,7 @@ What differs between the two (what is trained, one optimizer step, what a checkp
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -81,11 +82,12 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
     part, which goes to ``device`` cut into micro-batches of ``settings.micro_batch`` windows (it must divide the
     share: ValueError otherwise). The learning rate follows :func:`~sieve_attn.train.schedule.lr_at`. Every
     ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
-    main process: {"step", **``job.snapshot()``, "history", "settings"}. ``resume=True`` continues from that file
+    main process: {"step", **``job.snapshot()``, "history", "step_seconds" (this process's wall time of each
+    step's forwards, backwards and update, checkpoint writing excluded), "settings"}. ``resume=True`` continues from that file
     when it exists (every process reads it); the run then equals an uninterrupted one.
     """
     path = Path(out_dir) / CHECKPOINT
-    start, history = _resume(job, path) if resume else (0, [])
+    start, history, step_seconds = _resume(job, path) if resume else (0, [], [])
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
     share = len(runtime.share(list(range(settings.batch_size))))
     micro = settings.micro_batch or share
@@ -98,20 +100,24 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
         batch = windows[order[runtime.share(picks)]].to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, settings)
-        history.append((step + 1, *job.step(batch.split(micro))))
+        started = time.perf_counter()
+        values = job.step(batch.split(micro))  # its values are host numbers: the step has finished on the device
+        step_seconds.append(time.perf_counter() - started)
+        history.append((step + 1, *values))
         bar.set_postfix(loss=f"{history[-1][1]:.3f}")
         if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
             state = job.snapshot()
             runtime.write(lambda: save_checkpoint({"step": step + 1, **state, "history": history,
-                                                   "settings": asdict(settings)}, path))
+                                                   "step_seconds": step_seconds, "settings": asdict(settings)},
+                                                  path))
     return history
 
 
-def _resume(job: Job, path: Path) -> tuple[int, list]:
-    """(first step to train, history so far) from the checkpoint at ``path``, its state restored; (0, []) without
-    one."""
+def _resume(job: Job, path: Path) -> tuple[int, list, list]:
+    """(first step to train, history so far, step seconds so far) from the checkpoint at ``path``, its state
+    restored; (0, [], []) without one."""
     state = load_checkpoint(path)
     if state is None:
-        return 0, []
+        return 0, [], []
     job.restore(state)
-    return state["step"], state["history"]
+    return state["step"], state["history"], state.get("step_seconds", [])

@@ -125,6 +125,8 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, warmup):
                    progress=False)
     _assert_same_run(resumed, whole, out["history"], full["history"])
     assert _leftovers(tmp_path) == []
+    kept = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["step_seconds"]  # the first two from before the crash
+    assert kept[:2] == state["step_seconds"] and len(kept) == 4 and all(seconds > 0 for seconds in kept)
 
 
 def test_resume_a_shorter_run(tmp_path):
