@@ -1,4 +1,5 @@
 """sieve-attn: sparse attention for pretrained and new transformers (Focus token-pair and SFA feature sparsity)."""
+from ._checks import skip_nan_checks
 from .config import FocusConfig, SFAConfig
 from .integrations.transformers import compose, load_adapter, reconfigure, save_adapter, set_focus_mode
 from .nn.router import FocusRouter
@@ -22,4 +23,5 @@ def __getattr__(name: str):
 
 __all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "SFACache", "SFAConfig", "SFAKeyCache", "compose",
            "dense_bytes_per_token", "focus_attention", "focus_backend", "focus_soft_attention", "load_adapter",
-           "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention", "sfa_decode", "sparse_codes"]
+           "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention", "sfa_decode", "skip_nan_checks",
+           "sparse_codes"]

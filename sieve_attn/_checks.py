@@ -5,6 +5,8 @@ can fix the call without reading our source.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -63,13 +65,36 @@ def check_tensors_fit(what: str, tensors: dict, own: dict, description: str) -> 
             fail(f"{what} tensor {name}", f"shape {tuple(own[name].shape)}", tuple(tensor.shape))
 
 
+_nan_checks_skipped = False
+
+
+@contextlib.contextmanager
+def skip_nan_checks():
+    """Within ``with sieve_attn.skip_nan_checks():`` no op checks its inputs for NaN.
+
+    Checking values means reading them on the device and waiting for the answer on the host: one synchronisation
+    per call, which a decoding loop pays at every step and CUDA-graph capture forbids. Inside the block a NaN input
+    gives NaN outputs instead of a ValueError. Every other check stays: layouts, dtypes, devices, and the values
+    that would make a kernel read out of bounds (group ids, memberships). Nests; not thread-local.
+    """
+    global _nan_checks_skipped
+    previous, _nan_checks_skipped = _nan_checks_skipped, True
+    try:
+        yield
+    finally:
+        _nan_checks_skipped = previous
+
+
 def nan_checks(**tensors: torch.Tensor) -> list:
-    """The :func:`fail_where` checks that each named tensor holds no NaN."""
+    """The :func:`fail_where` checks that each named tensor holds no NaN; none within :func:`skip_nan_checks`."""
+    if _nan_checks_skipped:
+        return []
     return [(name, "no NaN values", "NaN", torch.isnan(t).any()) for name, t in tensors.items()]
 
 
 def check_no_nan(**tensors: torch.Tensor) -> None:
-    """ValueError naming the first tensor holding a NaN; one host synchronisation for all of them."""
+    """ValueError naming the first tensor holding a NaN; one host synchronisation for all of them (none within
+    :func:`skip_nan_checks`)."""
     fail_where(nan_checks(**tensors))
 
 

@@ -75,7 +75,8 @@ class FocusConfig(_Serialisable):
 
 
 
-SFA_BACKENDS = ("auto", "reference", "triton")
+SFA_DECODE_BACKENDS = ("auto", "reference", "triton")
+SFA_BACKENDS = (*SFA_DECODE_BACKENDS, "sdpa")
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,10 @@ class SFAConfig(_Serialisable):
 
     topk: coordinates of q and k kept per token and head, by largest |x| after RoPE (q per query head, k per KV
     head); it must not exceed the model's head dim, which :func:`sieve_attn.compose` checks. backend: how the SFA
-    scores are computed (:func:`sieve_attn.sfa_attention`'s ``backend``); with Focus as well, the Focus pattern's
-    backend computes them on the sparsified q and k.
+    scores are computed (:func:`sieve_attn.sfa_attention`'s ``backend``); decode steps over an
+    :class:`~sieve_attn.SFACache` read its codes with :func:`sieve_attn.sfa_decode`, which takes "auto" for "sdpa"
+    (there are no dense keys to give dense attention); with Focus as well, the Focus pattern's backend computes them
+    on the sparsified q and k.
     """
 
     topk: int = 16

@@ -108,3 +108,23 @@ def test_bench_sfa_help(capsys):
 def test_topk_above_head_dim_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--topk"):
         main(["bench", "sfa", "--head-dims", "16", "--topk", "32", "--out", str(tmp_path)])
+
+
+def test_skip_nan_checks_times_the_calls_without_the_nan_check(tmp_path, monkeypatch):
+    """--skip-nan-checks: every SFA call runs inside sieve_attn.skip_nan_checks() (no NaN check is built), the
+    setting is recorded, and the rows are still gated."""
+    import sieve_attn._checks as checks
+
+    built = []
+    original = checks.nan_checks
+    monkeypatch.setattr(checks, "nan_checks", lambda **tensors: built.append(original(**tensors)) or built[-1])
+    args = ["--lengths", "128", "--head-dims", "32", "--heads", "2", "--topk", "4", "--baselines", "flash",
+            "--decode-lengths", "256", "--decode-heads", "4/2", "--warmup", "0", "--reps", "1", "--gate-rows", "8",
+            "--backend", "reference", "--device", "cpu"]
+    assert main(["bench", "sfa", *args, "--skip-nan-checks", "--out", str(tmp_path / "skip")]) == 0
+    assert built and not any(built)  # called by the ops, but empty
+    record = json.loads((tmp_path / "skip" / "bench_sfa.json").read_text())
+    assert record["settings"]["skip_nan_checks"] is True and all(r["correct"] for r in record["rows"])
+    built.clear()
+    assert main(["bench", "sfa", *args, "--out", str(tmp_path / "checked")]) == 0
+    assert any(built)

@@ -19,6 +19,7 @@ out of memory at a shorter length.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .._checks import skip_nan_checks
 from .timing import measure
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -66,6 +68,7 @@ class Settings:
     max_call_s: float = 20.0
     gate_rows: int = 64
     backward_gate_length: int = 4096
+    skip_nan_checks: bool = False
     seed: int = 0
     device: str = field(default_factory=_default_device)
 
@@ -172,6 +175,9 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, d: Settings) -> None:
     timing.add_argument("--backward-gate-length", type=parse_length, default=d.backward_gate_length,
                         help=f"length at which gradients are checked against dense masked attention "
                              f"({format_length(d.backward_gate_length)})")
+    timing.add_argument("--skip-nan-checks", action="store_true",
+                        help="time the calls inside sieve_attn.skip_nan_checks(): no host synchronisation for the "
+                             "NaN check of the inputs, as dense SDPA has none (outputs are still gated)")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser, d: Settings, out: Path, files: str) -> None:
@@ -215,7 +221,8 @@ def settings_from_args(args: argparse.Namespace) -> dict:
                 baselines=args.baselines, backward=args.backward, max_backward_length=args.max_backward_length,
                 decode_lengths=args.decode_lengths, decode_heads=args.decode_heads, warmup=args.warmup,
                 reps=args.reps, budget_s=args.budget, max_call_s=args.max_call_seconds, gate_rows=args.gate_rows,
-                backward_gate_length=args.backward_gate_length, seed=args.seed, device=args.device)
+                backward_gate_length=args.backward_gate_length, skip_nan_checks=args.skip_nan_checks, seed=args.seed,
+                device=args.device)
 
 
 # ---------------------------------------------------------------------------------------------------- inputs and dense
@@ -474,9 +481,16 @@ def row_fields(mode: str, q, k, checked: Optional[Verdict]) -> dict:
 def sweep(timer: Timer, header: str, prefill_rows: Callable, decode_rows: Callable) -> list[dict]:
     """Every row of a bench, printed as it completes: per head dim, the prefill rows at each length (forward, and
     forward+backward up to ``max_backward_length`` with ``backward``), then the decode rows at each cache length.
-    ``prefill_rows(timer, mode, q, k, v)`` and ``decode_rows(timer, cache_len, head_dim)`` return lists of rows."""
+    ``prefill_rows(timer, mode, q, k, v)`` and ``decode_rows(timer, cache_len, head_dim)`` return lists of rows.
+    With ``skip_nan_checks`` everything runs inside :func:`sieve_attn.skip_nan_checks`."""
     config = timer.config
     print(header, flush=True)
+    with skip_nan_checks() if config.skip_nan_checks else contextlib.nullcontext():
+        return _sweep_rows(timer, prefill_rows, decode_rows)
+
+
+def _sweep_rows(timer: Timer, prefill_rows: Callable, decode_rows: Callable) -> list[dict]:
+    config = timer.config
     rows = []
     for head_dim in config.head_dims:
         for length in config.lengths:

@@ -171,17 +171,22 @@ class Bench(Timer):
     def __init__(self, config: BenchConfig):
         super().__init__(config)
         self.sfa_fn = functools.partial(sfa_attention, causal=True, backend=config.backend)
-        self.decode_fn = functools.partial(sfa_decode, backend=config.backend)
+        # A decode step reads the cache's codes: there are no dense keys for "sdpa", which decodes as "auto" does.
+        self.decode_backend = "auto" if config.backend == "sdpa" else config.backend
+        self.decode_fn = functools.partial(sfa_decode, backend=self.decode_backend)
 
-    def backend_used(self, q) -> tuple[str, Optional[str]]:
-        """(backend, why) that sfa_attention and sfa_decode resolve to for q; "unavailable", with the reason, when
-        the requested backend cannot take the call."""
+    def backend_used(self, q, mode: str) -> tuple[str, Optional[str]]:
+        """(backend, why) that sfa_attention (or sfa_decode, for ``mode`` DECODE) resolves to for q; "unavailable",
+        with the reason, when the requested backend cannot take the call."""
+        requested = self.decode_backend if mode == DECODE else self.config.backend
+        if requested == "sdpa":
+            return "sdpa", "requested"
         blocker = kernel_blocker(q)
         try:
-            backend = choose_backend(self.config.backend, q, blocker)
+            backend = choose_backend(requested, q, blocker)
         except ValueError as error:
             return "unavailable", str(error)
-        if self.config.backend != "auto":
+        if requested != "auto":
             return backend, "requested"
         if backend == "triton":
             return backend, "auto: the Triton kernels take the call"
@@ -236,7 +241,7 @@ def dense_prefill(bench: Bench, mode: str, q, k, v) -> dict:
 def sfa_row(bench: Bench, mode: str, q, k, topk: int, sfa: dict, checked: Optional[Verdict],
             baselines: dict) -> dict:
     """One result row, with the work of its configuration."""
-    backend, reason = bench.backend_used(q)
+    backend, reason = bench.backend_used(q, mode)
     dim = q.shape[3]
     work = (decode_work(k.shape[1], k.shape[2], dim, topk) if mode == DECODE
             else prefill_work(mode, q.shape[1], k.shape[2], dim, topk))

@@ -74,7 +74,8 @@ class SFALayer(nn.Module):
         if isinstance(k, CachedKeys):
             self._check_cached(k)
             if k.new is None and attn_mask is None and softcap is None and focus is None:
-                return sfa_decode(q, k.cache, scale=scale, backend=self.config.backend)[0]
+                backend = "auto" if self.config.backend == "sdpa" else self.config.backend
+                return sfa_decode(q, k.cache, scale=scale, backend=backend)[0]
             k = k.dense()
         target = self._dense_target(q, k, v, attn_mask, scale, softcap)
         topk = self.config.topk

@@ -65,10 +65,12 @@ def _step_logits(out) -> torch.Tensor:
     return torch.stack(out.logits, dim=1)  # [B, new, V]: the logits each decoding step produced
 
 
-@pytest.mark.parametrize("arch, backend", [("llama", "reference"), ("qwen2", "reference"), ("llama", "triton")])
+@pytest.mark.parametrize("arch, backend", [("llama", "reference"), ("qwen2", "reference"), ("llama", "triton"),
+                                           ("llama", "sdpa")])
 def test_generation_reads_the_codes_and_equals_recomputation(arch, backend, decode_calls):
     """Every decode step of every layer reads the cached codes through sfa_decode (Triton's decode kernel for
-    backend 'triton', through the interpreter on the CPU); the greedy tokens equal recomputing the whole sequence
+    backend 'triton', through the interpreter on the CPU; 'sdpa' prefills through dense SDPA and decodes as 'auto');
+    the greedy tokens equal recomputing the whole sequence
     at each step and the dense-cache path's; the logits obey FlashAttention's rule: their error against the model
     run in float64 is at most twice the dense-cache path's, plus a floor. The cache holds codes, not dense keys."""
     if backend == "triton":

@@ -55,12 +55,12 @@ def _sfa_oracle(model, topk: int):
     return reference
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_sfa_matches_the_eager_oracle(arch):
+@pytest.mark.parametrize("arch, backend", [(arch, "auto") for arch in ARCHS] + [("llama", "sdpa"), ("qwen2", "sdpa")])
+def test_sfa_matches_the_eager_oracle(arch, backend):
     model = tiny_model(arch)
     oracle = _sfa_oracle(model, 4)
     ids = random_ids()
-    sa.compose(model, sa.SFAConfig(topk=4))
+    sa.compose(model, sa.SFAConfig(topk=4, backend=backend))
     expected = _logits(oracle, ids)
     torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-5)
     assert (expected - _logits(eager_copy(model), ids)).abs().max() > 1e-2  # top-4 of 16 is not dense

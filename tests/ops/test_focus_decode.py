@@ -140,3 +140,30 @@ def test_reads_each_attended_key_once_and_no_other(monkeypatch):
         rows = torch.bincount(offsets // head_dim, minlength=batch * kv_heads * k_len).view(batch, kv_heads, k_len)
         assert torch.equal(rows, attended * head_dim)
     assert attended.float().mean() < 0.5  # the pattern is sparse enough for the check to mean something
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA notion")
+def test_decode_step_with_validated_groups_without_nan_checks_never_waits_for_the_gpu():
+    """focus_attention of one new query over a cache, given FocusGroups validated when the tokens came, inside
+    sieve_attn.skip_nan_checks(): its work is queued without one host synchronisation (torch's sync debug mode
+    turns any into an error), and it equals the reference (loosely: the kernel's accuracy is
+    test_matches_reference's)."""
+    from sieve_attn import focus_attention, skip_nan_checks
+    from sieve_attn.ops.focus.groups import FocusGroups
+
+    torch.manual_seed(0)
+    k_len = 300
+    q = torch.randn(1, 8, 1, 64, device=DEVICE, dtype=BF16)
+    k, v = (torch.randn(1, 2, k_len, 64, device=DEVICE, dtype=BF16) for _ in range(2))
+    ids = torch.randint(0, 8, (1, k_len, 2), device=DEVICE)
+    groups = FocusGroups.of(ids, 1, k_len, q.device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with skip_nan_checks():
+            out = focus_attention(q, k, v, groups, window=16, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want, _ = focus_attention_reference(q.float(), k.float(), v.float(), ids, window=16, causal=True,
+                                        scale=64 ** -0.5, softcap=None, attn_mask=None, out=None)
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=2e-2)

@@ -394,3 +394,45 @@ BAD_CALLS = {
 def test_bad_inputs_name_the_argument(name, call):
     with pytest.raises(ValueError, match=rf"^{name}: expected "):
         call()
+
+
+def test_skip_nan_checks_lets_nan_through_and_keeps_the_other_checks():
+    """Inside sieve_attn.skip_nan_checks() a NaN query gives NaN rows instead of a ValueError, an append of NaN keys
+    is taken, a bad shape is still refused; the checks come back after the block, also after an exception in it."""
+    from sieve_attn import skip_nan_checks
+
+    with skip_nan_checks():
+        with skip_nan_checks():
+            pass
+        cache = make_cache()
+        cache.append(with_nan(tokens(1)), tokens(1))
+        out, lse = sfa_decode(with_nan(tokens(1)), make_cache(), backend="reference")
+        assert out.isnan().all() and lse.isnan().all()
+        with pytest.raises(ValueError, match="^cache: expected a cache of q's head dim"):
+            sfa_decode(with_nan(tokens(1, head_dim=64)), make_cache())
+    with pytest.raises(RuntimeError), skip_nan_checks():
+        raise RuntimeError("leaves the block")
+    with pytest.raises(ValueError, match="^q: expected no NaN values"):
+        sfa_decode(with_nan(tokens(1)), make_cache())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA notion")
+def test_decode_step_without_nan_checks_never_waits_for_the_gpu():
+    """A decode step (append the new token, then sfa_decode on the Triton kernel) inside skip_nan_checks() queues
+    its work without one host synchronisation: torch's sync debug mode turns any into an error."""
+    from sieve_attn import skip_nan_checks
+
+    torch.manual_seed(0)
+    k, v = random_kv(1, 2, 65, 64, BF16)
+    cache = SFAKeyCache(1, 2, 64, topk=8, dtype=BF16, device=DEVICE, capacity=128)
+    cache.append(k[:, :, :64], v[:, :, :64])
+    q = torch.randn(1, 8, 1, 64, device=DEVICE, dtype=BF16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with skip_nan_checks():
+            cache.append(k[:, :, 64:], v[:, :, 64:])
+            out, lse = sfa_decode(q, cache, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_sfa_of_the_dense_keys(out, lse, q, k, v, 8)

@@ -4,8 +4,10 @@ Backends:
 - ``"reference"``: plain PyTorch, block by block (:mod:`.reference`), any device, dtype and padding mask.
 - ``"triton"``: the FlashSFA kernels (:mod:`.flash_sfa`), forward and backward from the sparse codes; CUDA (or
   the Triton interpreter), float16/bfloat16/float32, head dims that are powers of two in [16, 256], no attn_mask.
+- ``"sdpa"``: PyTorch's dense attention on the zero-filled sparse q and k (:mod:`.sdpa`): any device and dtype,
+  padding masks; no softcap, no log-sum-exp. Dense tensor-core speed, no saving from sparsity.
 ``"auto"`` takes the Triton kernels on CUDA when they can compute the call, and the reference otherwise (always on
-the CPU, where the interpreter is for tests only).
+the CPU, where the interpreter is for tests only); it does not take "sdpa" before that backend is timed on a GPU.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..._checks import check_attention_call, check_choice, check_int, check_softcap, resolve_scale
+from ..._checks import check_attention_call, check_choice, check_int, check_softcap, fail, resolve_scale
 from ...config import SFA_BACKENDS as BACKENDS
 from ..triton_common import choose_backend, kernel_blocker
 from .reference import sfa_attention_reference
@@ -44,8 +46,8 @@ def sfa_attention(
         causal: only keys at positions <= the query's attend.
         scale: logit scale, default 1/sqrt(D) with D the full head dimension (not 1/sqrt(topk)).
         softcap: logits become softcap * tanh(logit / softcap) (Gemma-2); a zero-overlap pair still scores 0.
-        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (module docstring); ``"triton"`` raises ValueError
-            for a call its kernels cannot compute.
+        backend: ``"auto"``, ``"reference"``, ``"triton"`` or ``"sdpa"`` (module docstring); ``"triton"`` and
+            ``"sdpa"`` raise ValueError for a call they cannot compute.
         attn_mask: optional bool [1 or B, 1 or Hq, Tq, Tk], True = may attend (padding); ANDed with causality.
         out: optional contiguous [B, Hq, Tq, D] tensor of q's dtype and device, written in place and returned.
 
@@ -61,7 +63,12 @@ def sfa_attention(
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     topk = check_int("topk", topk, 1, q.shape[-1])
     causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
-    if _resolve(q, attn_mask, backend) == "triton":
+    resolved = _resolve(q, attn_mask, softcap, return_lse, backend)
+    if resolved == "sdpa":
+        from .sdpa import sfa_attention_sdpa
+        result = sfa_attention_sdpa(q, k, v, topk=topk, causal=causal, scale=scale, attn_mask=attn_mask)
+        return result if out is None else out.copy_(result)
+    if resolved == "triton":
         from .flash_sfa import flash_sfa_attention
         result, lse = flash_sfa_attention(q, k, v, topk=topk, causal=causal, scale=scale, softcap=softcap)
         if out is not None:
@@ -72,7 +79,15 @@ def sfa_attention(
     return (out, lse.float()) if return_lse else out
 
 
-def _resolve(q: torch.Tensor, attn_mask: Optional[torch.Tensor], backend: str) -> str:
-    """The backend that computes the call; an explicit ``"triton"`` it cannot compute raises ValueError."""
+def _resolve(q: torch.Tensor, attn_mask: Optional[torch.Tensor], softcap: Optional[float], return_lse: bool,
+             backend: str) -> str:
+    """The backend that computes the call; an explicit ``"triton"`` or ``"sdpa"`` that cannot compute it raises
+    ValueError."""
     check_choice("backend", backend, BACKENDS)
+    if backend == "sdpa":
+        from .sdpa import sdpa_blocker
+        blocker = sdpa_blocker(softcap, return_lse)
+        if blocker:
+            fail("backend", "a call PyTorch's attention can compute ('sdpa')", blocker)
+        return "sdpa"
     return choose_backend(backend, q, kernel_blocker(q, attn_mask))

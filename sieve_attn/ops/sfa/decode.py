@@ -45,7 +45,7 @@ import contextlib
 import torch
 
 from ..._checks import check_choice, check_no_nan, fail, resolve_scale
-from ...config import SFA_BACKENDS
+from ...config import SFA_DECODE_BACKENDS
 from .. import split_k
 from ..split_k import program_rows, store_rows
 from ..triton_common import (choose_backend, is_interpreted, jit, kernel_blocker, softmax_finish, softmax_step,
@@ -249,7 +249,7 @@ def _check_decode_call(q, cache) -> None:
 
 
 def _resolve_backend(q: torch.Tensor, backend: str) -> str:
-    check_choice("backend", backend, SFA_BACKENDS)
+    check_choice("backend", backend, SFA_DECODE_BACKENDS)
     return choose_backend(backend, q, kernel_blocker(q))
 
 

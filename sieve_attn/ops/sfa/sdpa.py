@@ -1,0 +1,52 @@
+"""SFA through PyTorch's dense attention: ``sfa_attention(backend="sdpa")``.
+
+The zero-filled sparse q~ and k~ are ordinary dense tensors whose dot products are exactly SFA's logits (a sum over
+the shared coordinates, zero-overlap pairs scoring 0), so ``F.scaled_dot_product_attention(q~, k~, v)`` computes SFA
+with whichever dense kernel PyTorch picks (cuDNN or FlashAttention on GPUs). It runs at dense tensor-core speed and
+saves nothing from the sparsity: it is the fastest SFA where dense attention runs on tensor cores, and the yardstick
+the sparse FlashSFA kernels must beat there. Memory: q~ and k~ are one more copy of q and k, O(T x D); no T x T
+tensor unless the call brings one (``attn_mask``) or asks for a causal chunk with Tq < Tk (a [Tq, Tk] mask).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .codes import sparsify
+
+
+def sdpa_blocker(softcap: Optional[float], return_lse: bool) -> Optional[str]:
+    """Why the sdpa backend cannot compute a call, or None: PyTorch's attention has no logit softcap and does not
+    return the log-sum-exp."""
+    if softcap is not None:
+        return "PyTorch's scaled_dot_product_attention has no logit softcap"
+    if return_lse:
+        return "PyTorch's scaled_dot_product_attention does not return the log-sum-exp (return_lse=True)"
+    return None
+
+
+def sfa_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, topk: int, causal: bool, scale: float,
+                       attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SFA of checked inputs (q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], attn_mask bool [1|B, 1|Hq, Tq, Tk] or None) as
+    :func:`sieve_attn.sfa_attention` defines it; returns out [B, Hq, Tq, D] in q's dtype.
+
+    Query i sits at key position Tk - Tq + i. A query with no attended key (possible only through ``attn_mask``)
+    gets 0, with zero gradients (it attends all keys inside the kernel, whose result is then dropped: dense kernels
+    differ on such rows, some giving NaN). Gradients reach q and k at their kept coordinates only (``sparsify``'s
+    straight-through rule) and v everywhere.
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    mask, is_causal = attn_mask, causal and attn_mask is None and q_len == k_len
+    if causal and not is_causal:
+        positions = torch.arange(k_len, device=q.device)
+        causal_mask = positions[None, :] <= positions[k_len - q_len:, None]
+        mask = causal_mask if mask is None else mask & causal_mask
+    attended = None
+    if mask is not None:
+        attended = mask.any(dim=-1, keepdim=True)
+        mask = mask | ~attended
+    out = F.scaled_dot_product_attention(sparsify(q, topk), sparsify(k, topk), v, attn_mask=mask,
+                                         is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out if attended is None else torch.where(attended, out, 0.0)

@@ -1,0 +1,115 @@
+"""``sfa_attention(backend="sdpa")``: PyTorch's dense attention on the zero-filled sparse q and k, against the fp64
+reference.
+
+Rule (FlashAttention's): the error against fp64 is at most twice the error of PyTorch's own attention in the same
+dtype, plus a small floor, for the output and dq, dk, dv. The yardstick is built here without the backend's code:
+the test's own sparsified q and k, K/V heads repeated for each query head, and a causal mask written out, so a
+wrong mask alignment, head mapping or selection in the backend shows as an error far above it. On a GPU the same
+cases run the kernels SDPA picks there (cuDNN or FlashAttention).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sieve_attn import sfa_attention
+from sieve_attn.ops.sfa.codes import sparsify
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+FLOOR = {F32: 2e-6, F16: 5e-4, BF16: 1e-3}
+
+
+def _qkv(batch, hq, hkv, tq, tk, dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, h, t, dim, generator=gen, dtype=F64).to(dtype).to(DEVICE)
+            for h, t in ((hq, tq), (hkv, tk), (hkv, tk))]
+
+
+def _run(backend, q, k, v, grad, **kw):
+    """[out, dq, dk, dv] of sfa_attention with ``backend`` under the output gradient ``grad``."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = sfa_attention(q, k, v, backend=backend, **kw)
+    out.backward(grad.to(out.dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _pytorch_own(q, k, v, grad, *, topk, causal, attn_mask=None):
+    """[out, dq, dk, dv] of PyTorch's dense attention on the sparsified inputs, heads repeated, mask written out;
+    rows without an attended key give 0."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    tq, tk = q.shape[2], k.shape[2]
+    mask = torch.ones(tq, tk, dtype=torch.bool, device=DEVICE)
+    if causal:
+        mask = torch.tensor([[j <= tk - tq + i for j in range(tk)] for i in range(tq)], device=DEVICE)
+    if attn_mask is not None:
+        mask = mask & attn_mask
+    rows = mask.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(sparsify(q, topk), sparsify(k, topk).repeat_interleave(group, 1),
+                                         v.repeat_interleave(group, 1), attn_mask=mask | ~rows)
+    out = torch.where(rows, out, 0.0)
+    out.backward(grad.to(out.dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _assert_rule(case, got, exact, base, floor):
+    for name, g, ref, b in zip(("out", "dq", "dk", "dv"), got, exact, base):
+        assert not torch.isnan(g).any(), f"{case} {name}: NaN"
+        err = (g.double() - ref).abs().max().item()
+        bound = 2 * (b.double() - ref).abs().max().item() + floor
+        assert err <= bound, f"{case} {name}: error {err:.3g} > bound {bound:.3g}"
+
+
+# (batch, q_heads, kv_heads, Tq, Tk, head_dim, topk, causal, dtype); Tq < Tk is a chunk after a cache.
+CASES = {
+    "mha-T63-D32-k4-causal-f32": (1, 2, 2, 63, 63, 32, 4, True, F32),
+    "gqa-T97-D64-k8-full-bf16": (1, 4, 2, 97, 97, 64, 8, False, BF16),
+    "mqa-T63-D32-k1-causal-bf16": (2, 3, 1, 63, 63, 32, 1, True, BF16),
+    "mqa-T63-D24-kD-causal-f32": (1, 2, 1, 63, 63, 24, 24, True, F32),
+    "mha-T63-D64-k8-full-f16": (1, 2, 2, 63, 63, 64, 8, False, F16),
+    "chunk-gqa-Tq5-Tk97-D32-k4-causal-bf16": (1, 4, 2, 5, 97, 32, 4, True, BF16),
+    "chunk-mqa-Tq17-Tk63-D64-k8-full-f32": (2, 2, 1, 17, 63, 64, 8, False, F32),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_forward_and_backward(case):
+    batch, hq, hkv, tq, tk, dim, topk, causal, dtype = CASES[case]
+    if dtype == F16 and DEVICE == "cpu":
+        pytest.skip("float16 attention on the CPU is PyTorch's math path in float32 inputs' clothing: no yardstick")
+    q, k, v = _qkv(batch, hq, hkv, tq, tk, dim, dtype, seed=len(case))
+    grad = torch.randn(batch, hq, tq, dim, generator=torch.Generator().manual_seed(1), dtype=F64).to(DEVICE)
+    kw = dict(topk=topk, causal=causal)
+    exact = _run("reference", q.double(), k.double(), v.double(), grad, **kw)
+    got = _run("sdpa", q, k, v, grad, **kw)
+    _assert_rule(case, got, exact, _pytorch_own(q, k, v, grad, **kw), FLOOR[dtype])
+    assert got[0].dtype == dtype
+    # straight-through: no gradient outside the kept coordinates
+    assert torch.all(got[1][sparsify(q, topk) == 0] == 0) and torch.all(got[2][sparsify(k, topk) == 0] == 0)
+
+
+def test_padding_mask_and_a_fully_masked_row_into_a_poisoned_out():
+    """A padding mask ANDed with causality; a query with no attended key returns 0 and passes no gradient (dense
+    kernels differ there, some giving NaN); ``out`` poisoned with NaN is overwritten."""
+    q, k, v = _qkv(2, 4, 2, 33, 33, 32, F32, seed=9)
+    mask = torch.ones(2, 1, 33, 33, dtype=torch.bool, device=DEVICE)
+    mask[0, :, :, :5] = False  # sequence 0: the first 5 keys are padding, so its queries 0-4 attend nothing
+    grad = torch.randn(2, 4, 33, 32, generator=torch.Generator().manual_seed(2), dtype=F64).to(DEVICE)
+    kw = dict(topk=6, causal=True, attn_mask=mask)
+    got = _run("sdpa", q, k, v, grad, **kw)
+    exact = _run("reference", q.double(), k.double(), v.double(), grad, **kw)
+    _assert_rule("padding", got, exact, _pytorch_own(q, k, v, grad, **kw), FLOOR[F32])
+    assert torch.all(got[0][0, :, :5] == 0) and torch.all(got[1][0, :, :5] == 0)
+    out = torch.full_like(q, float("nan"))
+    assert sfa_attention(q, k, v, backend="sdpa", out=out, **kw) is out
+    torch.testing.assert_close(out, got[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"softcap": 2.0}, "no logit softcap"),
+                                             ({"return_lse": True}, "does not return the log-sum-exp")])
+def test_refuses_what_sdpa_cannot_compute(kwargs, message):
+    q, k, v = _qkv(1, 2, 2, 8, 8, 16, F32, seed=0)
+    with pytest.raises(ValueError, match=f"^backend: expected a call PyTorch's attention can compute .*{message}"):
+        sfa_attention(q, k, v, topk=4, backend="sdpa", **kwargs)
