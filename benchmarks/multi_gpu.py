@@ -86,15 +86,15 @@ def run(prefix: list[str], command: list[str], steps: int, out: Path, log) -> di
 
 
 def compare(launches: dict) -> None:
-    """Adds to each finished launch its largest loss difference to the "1" and "micro" runs and its speedup and
-    scaling efficiency over "1"."""
+    """Adds to each finished launch its largest loss difference to the "1" and "micro" runs, and to each launch of
+    several processes its speedup and scaling efficiency over "1"."""
     finished = {name: entry for name, entry in launches.items() if "tokens_per_second" in entry}
     for name, entry in finished.items():
         for reference in ("1", "micro"):
             if reference != name and reference in finished:
                 a, b = finished[reference]["run"]["losses"], entry["run"]["losses"]
                 entry[f"max_loss_difference_to_{reference}"] = max(abs(x - y) for x, y in zip(a, b))
-        if name != "1" and "1" in finished:
+        if entry["processes"] > 1 and "1" in finished:
             entry["speedup"] = entry["tokens_per_second"] / finished["1"]["tokens_per_second"]
             entry["scaling_efficiency"] = entry["speedup"] / entry["processes"]
 
@@ -130,7 +130,8 @@ def main() -> int:
             result = run(launch(processes, fsdp), [*command, *extra], args.steps, args.out / name, log)
             entry = {"processes": processes, "fsdp": fsdp, "run": result}
             if "failed" not in result:
-                entry["median_step_seconds"] = statistics.median(result["step_seconds"][args.warmup_steps:])
+                timed = [t for t in result["step_seconds"][args.warmup_steps:] if t is not None]
+                entry["median_step_seconds"] = statistics.median(timed)
                 entry["tokens_per_second"] = args.batch_size * context / entry["median_step_seconds"]
             record["launches"][name] = entry
             compare(record["launches"])

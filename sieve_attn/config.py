@@ -79,6 +79,12 @@ SFA_DECODE_BACKENDS = ("auto", "reference", "triton")
 SFA_BACKENDS = (*SFA_DECODE_BACKENDS, "sdpa")
 
 
+def sfa_decode_backend(backend: str) -> str:
+    """The :func:`sieve_attn.sfa_decode` backend for an SFA ``backend``: a decode step reads a compressed cache's
+    codes, so "sdpa" (dense attention on dense keys) decodes as "auto"."""
+    return "auto" if backend == "sdpa" else backend
+
+
 @dataclass(frozen=True)
 class SFAConfig(_Serialisable):
     """Sparse Feature Attention settings (arXiv 2603.22300; DESIGN.md decision 5).

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import SFA_BACKENDS
+from ..config import SFA_BACKENDS, sfa_decode_backend
 from ..ops.sfa.attention import sfa_attention
 from ..ops.sfa.cache import SFAKeyCache, dense_bytes_per_token, packed_bytes
 from ..ops.sfa.codes import sparsify
@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_bench_arguments(
         parser, d, method="SFA", add_method_arguments=add_sfa_arguments, backends=SFA_BACKENDS,
-        backend_help="backend of sfa_attention and sfa_decode under test: triton (the FlashSFA kernels), reference "
+        backend_help="backend of sfa_attention and sfa_decode under test: triton (the FlashSFA kernels), sdpa (dense "
+                     "SDPA on the zero-filled codes; decode then runs as auto), reference "
                      "(PyTorch) or auto (triton on CUDA)", baselines=BASELINES,
         baselines_help="comma list of cudnn, flash (dense causal SDPA with that backend), cuda-core (dense attention "
                        "with FlashSFA's tiling and its scores on CUDA cores, the paper's like-for-like baseline; "
@@ -171,8 +172,7 @@ class Bench(Timer):
     def __init__(self, config: BenchConfig):
         super().__init__(config)
         self.sfa_fn = functools.partial(sfa_attention, causal=True, backend=config.backend)
-        # A decode step reads the cache's codes: there are no dense keys for "sdpa", which decodes as "auto" does.
-        self.decode_backend = "auto" if config.backend == "sdpa" else config.backend
+        self.decode_backend = sfa_decode_backend(config.backend)
         self.decode_fn = functools.partial(sfa_decode, backend=self.decode_backend)
 
     def backend_used(self, q, mode: str) -> tuple[str, Optional[str]]:

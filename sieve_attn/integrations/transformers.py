@@ -150,6 +150,10 @@ def compose(model: nn.Module, *configs) -> nn.Module:
         fail("model", "a model not yet composed", "a model already composed (load a fresh model)")
     if sfa is not None and sfa.topk > _head_dim(model):
         fail("topk", f"at most the model's head dim {_head_dim(model)}", sfa.topk)
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if sfa is not None and focus is None and sfa.backend == "sdpa" and softcap is not None:
+        fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto', 'reference' or "
+                        f"'triton'; PyTorch's attention under 'sdpa' has no softcap)", "'sdpa'")
     modules = attention_modules(model)
     hidden_size = model.config.get_text_config().hidden_size
     device = next(model.parameters()).device

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .._checks import fail
-from ..config import SFAConfig
+from ..config import SFAConfig, sfa_decode_backend
 from ..ops.blockwise import blockwise_attention
 from ..ops.sfa.attention import sfa_attention
 from ..ops.sfa.cache import SFAKeyCache
@@ -74,8 +74,7 @@ class SFALayer(nn.Module):
         if isinstance(k, CachedKeys):
             self._check_cached(k)
             if k.new is None and attn_mask is None and softcap is None and focus is None:
-                backend = "auto" if self.config.backend == "sdpa" else self.config.backend
-                return sfa_decode(q, k.cache, scale=scale, backend=backend)[0]
+                return sfa_decode(q, k.cache, scale=scale, backend=sfa_decode_backend(self.config.backend))[0]
             k = k.dense()
         target = self._dense_target(q, k, v, attn_mask, scale, softcap)
         topk = self.config.topk

@@ -72,6 +72,16 @@ def check_settings(windows: torch.Tensor, settings) -> None:
         fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
 
 
+def micro_batch_size(settings, runtime) -> int:
+    """Windows per forward on this process: ``settings.micro_batch``, or its whole share of a batch when None;
+    ValueError unless it divides the share."""
+    share = len(runtime.share(list(range(settings.batch_size))))
+    micro = settings.micro_batch or share
+    if share % micro:
+        fail("micro_batch", f"a divisor of each process's share of the batch ({share} windows)", micro)
+    return micro
+
+
 def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, *, device, resume: bool,
         progress: bool) -> list[tuple]:
     """Trains steps 0 .. ``settings.steps`` - 1 and returns the history: one tuple (step number from 1, *values of
@@ -83,16 +93,14 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
     share: ValueError otherwise). The learning rate follows :func:`~sieve_attn.train.schedule.lr_at`. Every
     ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
     main process: {"step", **``job.snapshot()``, "history", "step_seconds" (this process's wall time of each
-    step's forwards, backwards and update, checkpoint writing excluded), "settings"}. ``resume=True`` continues from that file
+    step's forwards, backwards and update, checkpoint writing excluded; None for steps of a checkpoint written
+    without them), "settings"}. ``resume=True`` continues from that file
     when it exists (every process reads it); the run then equals an uninterrupted one.
     """
+    micro = micro_batch_size(settings, runtime)
     path = Path(out_dir) / CHECKPOINT
     start, history, step_seconds = _resume(job, path) if resume else (0, [], [])
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
-    share = len(runtime.share(list(range(settings.batch_size))))
-    micro = settings.micro_batch or share
-    if share % micro:
-        fail("micro_batch", f"a divisor of each process's share of the batch ({share} windows)", micro)
     bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc=job.name,
                disable=not (progress and runtime.is_main))
     for step in bar:
@@ -101,7 +109,7 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, settings)
         started = time.perf_counter()
-        values = job.step(batch.split(micro))  # its values are host numbers: the step has finished on the device
+        values = job.step(batch.split(micro))  # host numbers: the step has finished on the device
         step_seconds.append(time.perf_counter() - started)
         history.append((step + 1, *values))
         bar.set_postfix(loss=f"{history[-1][1]:.3f}")
@@ -120,4 +128,4 @@ def _resume(job: Job, path: Path) -> tuple[int, list, list]:
     if state is None:
         return 0, [], []
     job.restore(state)
-    return state["step"], state["history"], state.get("step_seconds", [])
+    return state["step"], state["history"], state.get("step_seconds", [None] * state["step"])

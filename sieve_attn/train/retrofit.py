@@ -30,12 +30,18 @@ def _check_arguments(model, windows: torch.Tensor, settings: RetrofitSettings) -
         fail("model", "trainable parameters that are all Focus router parameters", others[:3] or "none trainable")
 
 
-def _check_routing(model, runtime) -> None:
-    """Causal routing uses the group biases in the same forward that updates them, and on several processes each
-    would update them from its own share of the batch: the routers would differ from one process's."""
-    if runtime.world_size > 1 and model.sieve_config.train_routing == "causal":
+def _check_routing(model, runtime, settings: RetrofitSettings) -> None:
+    """Causal routing uses the group biases in the same forward that updates them, and on several processes or
+    micro-batches each forward would update them from its own part of the batch: the routers would differ from
+    those of one forward over the whole batch."""
+    if model.sieve_config.train_routing != "causal":
+        return
+    if runtime.world_size > 1:
         fail("train_routing", "'sinkhorn' when training on several processes (with 'causal' each process's "
                               "forward would use group biases of its own share of the batch)", "'causal'")
+    if loop.micro_batch_size(settings, runtime) < settings.batch_size:
+        fail("train_routing", "'sinkhorn' when training with micro-batches (with 'causal' each micro-batch's "
+                              "forward would use group biases of its own part of the batch)", "'causal'")
 
 
 def _router_parameters(model) -> list[torch.nn.Parameter]:
@@ -101,8 +107,9 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
 
     AdamW over the router parameters only; the base model runs in eval mode (no dropout) with its weights frozen.
     Every ``checkpoint_every`` steps and at the end, ``out_dir/checkpoint.pt`` is written atomically (routers,
-    optimizer, step, loss history); ``resume=True`` continues from it. The trained adapter goes to
-    ``out_dir/adapter``. Returns {"steps", "history" (list of (step, loss)), "adapter"}.
+    optimizer, step, loss history, step times); ``resume=True`` continues from it. ``micro_batch`` splits each
+    process's share of a batch into micro-batches whose gradients add up (:class:`~.loop.TrainSettings`). The
+    trained adapter goes to ``out_dir/adapter``. Returns {"steps", "history" (list of (step, loss)), "adapter"}.
 
     Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
     same arguments: each trains on its share of every global batch (``batch_size`` must be a multiple of the number of
@@ -113,7 +120,7 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     settings = settings or RetrofitSettings()
     _check_arguments(model, windows, settings)
     runtime = distributed.runtime(settings.batch_size)
-    _check_routing(model, runtime)
+    _check_routing(model, runtime, settings)
     runtime.place(model)
     trainable = _router_parameters(model)  # after placing: moving the routers may have replaced them
     inference_mode = model.sieve_config.mode

@@ -155,3 +155,12 @@ def test_compose_refuses_bad_configs(configs, message):
         sa.compose(tiny_model("llama"), *configs)
     with pytest.raises(ValueError, match="topk: expected an int in \\[1"):
         sa.SFAConfig(topk=0)
+
+
+def test_compose_refuses_the_sdpa_backend_on_a_softcapped_model():
+    """Gemma-2 caps its logits; PyTorch's attention cannot: refused when composing, not at the first forward. With
+    Focus the Focus backend computes the scores, so it is accepted."""
+    with pytest.raises(ValueError, match="^backend: expected an SFA backend that caps logits, as this model does at "
+                                         ".*got 'sdpa'"):
+        sa.compose(tiny_model("gemma2"), sa.SFAConfig(topk=4, backend="sdpa"))
+    sa.compose(tiny_model("gemma2"), sa.FocusConfig(num_groups=4, window=4), sa.SFAConfig(topk=4, backend="sdpa"))

@@ -96,3 +96,36 @@ def test_activation_checkpointing_trains_the_same_weights_and_writes_the_same_na
     c = finetune(resumed, _windows(), tmp_path / "plain", FinetuneSettings(**{**settings.__dict__, "steps": 4}),
                  resume=True, progress=False)
     assert c["history"][:3] == a["history"] and len(c["history"]) == 4
+
+
+def test_micro_batches_give_the_gradients_of_the_whole_batch():
+    """One SFA fine-tuning step (matching term on) over 4 windows as 2 micro-batches of 2: the same LM loss,
+    matching term and weight gradients (not a multiple of them) as over the whole batch, to float rounding."""
+    from sieve_attn.integrations.transformers import sfa_layers
+    from sieve_attn.train import finetune as finetune_module
+    from sieve_attn.train.distributed import Runtime
+
+    class KeepGrads:
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=True)
+
+        def step(self):
+            pass
+
+    results = []
+    for parts in (1, 2):
+        model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+        model.eval()
+        params = list(finetune_module.base_parameters(model).values())
+        for p in params:
+            p.requires_grad_(True)
+        layers = list(sfa_layers(model))
+        for layer in layers:
+            layer.matching = True
+        values = finetune_module._train_step(model, params, KeepGrads(), layers, 1.0, Runtime(),
+                                             _windows()[:4].split(4 // parts))
+        results.append((values, [p.grad.clone() for p in params]))
+    (whole_values, whole_grads), (micro_values, micro_grads) = results
+    assert micro_values == pytest.approx(whole_values, rel=1e-6)
+    for whole, micro in zip(whole_grads, micro_grads):
+        torch.testing.assert_close(micro, whole, rtol=1e-5, atol=1e-7)

@@ -221,3 +221,59 @@ def test_activation_checkpointing_trains_the_same_routers(tmp_path, routing):
     assert set(ta) == set(tb)
     for name in ta:
         torch.testing.assert_close(tb[name], ta[name], rtol=0, atol=1e-6, msg=name)
+
+
+class _KeepGrads:
+    """An optimizer that clears gradients and leaves each step's for the test to read."""
+
+    def __init__(self, params):
+        self.params = list(params)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        pass
+
+
+def test_micro_batches_give_the_gradients_and_biases_of_the_whole_batch():
+    """One step over a batch of 4 as 2 micro-batches of 2: the same loss, router gradients (not a multiple of them)
+    and updated group biases as over the whole batch, to float rounding."""
+    from sieve_attn.integrations.transformers import set_focus_mode
+    from sieve_attn.train import retrofit as retrofit_module
+    from sieve_attn.train.distributed import Runtime
+
+    batch = _windows()[:4]
+    results = []
+    for parts in (1, 2):
+        model = _composed()
+        model.eval()
+        set_focus_mode(model, "train")
+        trainable = retrofit_module._router_parameters(model)
+        (loss,) = retrofit_module._train_step(model, trainable, _KeepGrads(trainable), Runtime(),
+                                              batch.split(4 // parts))
+        biases = [b.clone() for b in retrofit_module._router_buffers(model)]
+        results.append((loss, [p.grad.clone() for p in trainable], biases))
+    (loss_whole, grads_whole, biases_whole), (loss_micro, grads_micro, biases_micro) = results
+    assert loss_micro == pytest.approx(loss_whole, rel=1e-6)
+    for whole, micro in zip(grads_whole + biases_whole, grads_micro + biases_micro):
+        torch.testing.assert_close(micro, whole, rtol=1e-5, atol=1e-7)
+    assert any(g.abs().max() > 1e-4 for g in grads_whole)  # gradients that a wrong scale would change
+
+
+def test_causal_training_routing_refuses_micro_batches(tmp_path):
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, train_routing="causal"))
+    with pytest.raises(ValueError, match="^train_routing: expected 'sinkhorn' when training with micro-batches"):
+        retrofit(model, _windows(), tmp_path, RetrofitSettings(steps=1, batch_size=4, micro_batch=2), progress=False)
+
+
+def test_resume_from_a_checkpoint_without_step_times_keeps_them_aligned(tmp_path):
+    """A checkpoint of an earlier version holds no step times: its steps get None, so index s stays step s + 1."""
+    retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=2, **SETTINGS), progress=False)
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    del state["step_seconds"]
+    save_checkpoint(state, tmp_path / "checkpoint.pt")
+    retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=4, **SETTINGS), resume=True, progress=False)
+    seconds = load_checkpoint(tmp_path / "checkpoint.pt")["step_seconds"]
+    assert seconds[:2] == [None, None] and len(seconds) == 4 and all(s > 0 for s in seconds[2:])

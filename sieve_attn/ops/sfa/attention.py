@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..._checks import check_attention_call, check_choice, check_int, check_softcap, fail, resolve_scale
+from ..._checks import check_attention_call, check_choice, check_int, check_softcap, resolve_scale
 from ...config import SFA_BACKENDS as BACKENDS
 from ..triton_common import choose_backend, kernel_blocker
 from .reference import sfa_attention_reference
@@ -82,12 +82,10 @@ def sfa_attention(
 def _resolve(q: torch.Tensor, attn_mask: Optional[torch.Tensor], softcap: Optional[float], return_lse: bool,
              backend: str) -> str:
     """The backend that computes the call; an explicit ``"triton"`` or ``"sdpa"`` that cannot compute it raises
-    ValueError."""
+    ValueError (for "sdpa" naming the argument it cannot take)."""
     check_choice("backend", backend, BACKENDS)
     if backend == "sdpa":
-        from .sdpa import sdpa_blocker
-        blocker = sdpa_blocker(softcap, return_lse)
-        if blocker:
-            fail("backend", "a call PyTorch's attention can compute ('sdpa')", blocker)
+        from .sdpa import check_sdpa_call
+        check_sdpa_call(softcap, return_lse)
         return "sdpa"
     return choose_backend(backend, q, kernel_blocker(q, attn_mask))

@@ -13,18 +13,21 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
+from ..._checks import fail
 from .codes import sparsify
 
 
-def sdpa_blocker(softcap: Optional[float], return_lse: bool) -> Optional[str]:
-    """Why the sdpa backend cannot compute a call, or None: PyTorch's attention has no logit softcap and does not
+def check_sdpa_call(softcap: Optional[float], return_lse: bool) -> None:
+    """ValueError for what the sdpa backend cannot compute: PyTorch's attention has no logit softcap and does not
     return the log-sum-exp."""
     if softcap is not None:
-        return "PyTorch's scaled_dot_product_attention has no logit softcap"
+        fail("softcap", "None with backend 'sdpa' (PyTorch's scaled_dot_product_attention has no logit softcap)",
+             softcap)
     if return_lse:
-        return "PyTorch's scaled_dot_product_attention does not return the log-sum-exp (return_lse=True)"
-    return None
+        fail("return_lse", "False with backend 'sdpa' (PyTorch's scaled_dot_product_attention does not return the "
+                           "log-sum-exp)", return_lse)
 
 
 def sfa_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, topk: int, causal: bool, scale: float,
@@ -38,13 +41,13 @@ def sfa_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top
     straight-through rule) and v everywhere.
     """
     q_len, k_len = q.shape[2], k.shape[2]
-    mask, is_causal = attn_mask, causal and attn_mask is None and q_len == k_len
-    if causal and not is_causal:
-        positions = torch.arange(k_len, device=q.device)
-        causal_mask = positions[None, :] <= positions[k_len - q_len:, None]
-        mask = causal_mask if mask is None else mask & causal_mask
-    attended = None
-    if mask is not None:
+    mask, is_causal, attended = attn_mask, causal and q_len == k_len and attn_mask is None, None
+    if causal and q_len < k_len and attn_mask is None:
+        mask = causal_lower_right(q_len, k_len)  # no [Tq, Tk] tensor for the kernels that align it themselves
+    elif attn_mask is not None:
+        if causal:
+            positions = torch.arange(k_len, device=q.device)
+            mask = mask & (positions[None, :] <= positions[k_len - q_len:, None])
         attended = mask.any(dim=-1, keepdim=True)
         mask = mask | ~attended
     out = F.scaled_dot_product_attention(sparsify(q, topk), sparsify(k, topk), v, attn_mask=mask,
