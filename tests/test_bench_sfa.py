@@ -128,3 +128,28 @@ def test_skip_nan_checks_times_the_calls_without_the_nan_check(tmp_path, monkeyp
     built.clear()
     assert main(["bench", "sfa", *args, "--out", str(tmp_path / "checked")]) == 0
     assert any(built)
+
+
+def test_cuda_graphs_need_skip_nan_checks(tmp_path):
+    with pytest.raises(SystemExit, match="^--cuda-graphs: expected with --skip-nan-checks"):
+        main(["bench", "sfa", "--cuda-graphs", "--device", "cpu", "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_graphed_decode_step_replays_the_same_step():
+    """sfa_decode captured in a CUDA graph (inside skip_nan_checks) and replayed gives the plain call's output."""
+    from sieve_attn import SFAKeyCache, sfa_decode, skip_nan_checks
+    from sieve_attn.bench.timing import graphed
+
+    torch.manual_seed(0)
+    k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cache = SFAKeyCache(1, 2, 64, topk=8, dtype=torch.bfloat16, device="cuda", capacity=300)
+    cache.append(k, v)
+    q = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    outputs = []
+    with skip_nan_checks():
+        want, _ = sfa_decode(q, cache)
+        replay = graphed(lambda: outputs.append(sfa_decode(q, cache)[0]))
+        replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(outputs[-1], want, rtol=0, atol=0)

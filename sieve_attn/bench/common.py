@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import skip_nan_checks
-from .timing import measure
+from .timing import graphed, measure
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -69,6 +69,7 @@ class Settings:
     gate_rows: int = 64
     backward_gate_length: int = 4096
     skip_nan_checks: bool = False
+    cuda_graphs: bool = False
     seed: int = 0
     device: str = field(default_factory=_default_device)
 
@@ -178,6 +179,9 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, d: Settings) -> None:
     timing.add_argument("--skip-nan-checks", action="store_true",
                         help="time the calls inside sieve_attn.skip_nan_checks(): no host synchronisation for the "
                              "NaN check of the inputs, as dense SDPA has none (outputs are still gated)")
+    timing.add_argument("--cuda-graphs", action="store_true",
+                        help="time decode steps, sparse and dense alike, as replays of a captured CUDA graph (no "
+                             "Python or launch overhead, as serving engines decode); needs --skip-nan-checks")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser, d: Settings, out: Path, files: str) -> None:
@@ -216,13 +220,17 @@ def refuse_above(option: str, values: tuple[int, ...], limit_option: str, limits
 
 
 def settings_from_args(args: argparse.Namespace) -> dict:
-    """The :class:`Settings` fields from the options that :func:`add_bench_arguments` added."""
+    """The :class:`Settings` fields from the options that :func:`add_bench_arguments` added; exits when
+    --cuda-graphs comes without --skip-nan-checks (a NaN check synchronises, which capture forbids)."""
+    if args.cuda_graphs and not args.skip_nan_checks:
+        raise SystemExit("--cuda-graphs: expected with --skip-nan-checks (the NaN checks synchronise with the host, "
+                         "which graph capture forbids), got it alone")
     return dict(lengths=args.lengths, heads=args.heads, head_dims=args.head_dims, backend=args.backend,
                 baselines=args.baselines, backward=args.backward, max_backward_length=args.max_backward_length,
                 decode_lengths=args.decode_lengths, decode_heads=args.decode_heads, warmup=args.warmup,
                 reps=args.reps, budget_s=args.budget, max_call_s=args.max_call_seconds, gate_rows=args.gate_rows,
-                backward_gate_length=args.backward_gate_length, skip_nan_checks=args.skip_nan_checks, seed=args.seed,
-                device=args.device)
+                backward_gate_length=args.backward_gate_length, skip_nan_checks=args.skip_nan_checks,
+                cuda_graphs=args.cuda_graphs, seed=args.seed, device=args.device)
 
 
 # ---------------------------------------------------------------------------------------------------- inputs and dense
@@ -383,9 +391,12 @@ class Timer:
         return ms * (length / shorter) ** power
 
     def time(self, key: tuple, length: int, make: Callable[[], Callable], *, power: int = 2,
-             gate: Optional[Callable] = None, compiled: bool = False) -> tuple[dict, Optional[Verdict]]:
+             gate: Optional[Callable] = None, compiled: bool = False,
+             decode: bool = False) -> tuple[dict, Optional[Verdict]]:
         """Measures the call built by ``make()`` (untimed). With ``gate``, the call's first output must pass it
-        first (``gate(out) -> Verdict``); a failed gate gives no time. Returns (measurement dict, verdict or None)."""
+        first (``gate(out) -> Verdict``); a failed gate gives no time. A ``decode`` call on CUDA with
+        ``cuda_graphs`` is timed as a graph replay (:func:`.timing.graphed`), captured after the gate. Returns
+        (measurement dict, verdict or None)."""
         if key in self.dead:
             return skipped(self.dead[key]), None
         predicted = self.predicted_ms(key, length, power)
@@ -403,6 +414,8 @@ class Timer:
                 warmup = max(0, warmup - 1)
             if compiled:
                 warmup = max(1, warmup)
+            if decode and self.config.cuda_graphs and self.device.type == "cuda":
+                call = graphed(call)
             timing = measure(call, self.device, warmup=warmup, reps=self.config.reps, budget_s=self.config.budget_s)
         except Exception as error:  # noqa: BLE001 - any failure of a method is a result to record, not a crash
             self.dead[key] = f"{describe(error)} at T={length}"
@@ -460,7 +473,8 @@ def decode_inputs(timer: Timer, cache_len: int, head_dim: int):
             backend = first_working_sdpa(q, k, v, causal=False)
         except RuntimeError as error:
             timer.dead[key] = describe(error)
-    dense, _ = timer.time(key, cache_len, lambda: functools.partial(sdpa, q, k, v, backend, causal=False), power=1)
+    dense, _ = timer.time(key, cache_len, lambda: functools.partial(sdpa, q, k, v, backend, causal=False), power=1,
+                          decode=True)
     dense["backend"] = backend
     return q, k, v, dense
 

@@ -332,7 +332,7 @@ def decode_rows(bench: Bench, cache_len: int, head_dim: int) -> list[dict]:
             cached = FocusGroups.of(groups, 1, cache_len, bench.device)
             focus, checked = bench.time(
                 ("focus", DECODE, head_dim, num_groups, top_k), cache_len,
-                lambda: functools.partial(bench.focus_fn, q, k, v, cached), power=1,
+                lambda: functools.partial(bench.focus_fn, q, k, v, cached), power=1, decode=True,
                 gate=lambda out: check_rows(out, q, k, v, groups, torch.tensor([0]), c.window))
             rows.append(focus_row(bench, DECODE, q, k, groups, num_groups, top_k, focus, checked,
                                   {"sdpa": dense}))

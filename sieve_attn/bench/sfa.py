@@ -284,7 +284,7 @@ def decode_rows(bench: Bench, cache_len: int, head_dim: int) -> list[dict]:
         # The cache is filled while the call is made, untimed: a decoder appends each token once, when it comes.
         sfa, checked = bench.time(
             ("sfa", DECODE, head_dim, topk), cache_len,
-            lambda: functools.partial(bench.decode_fn, q, filled_cache(k, v, topk)), power=1,
+            lambda: functools.partial(bench.decode_fn, q, filled_cache(k, v, topk)), power=1, decode=True,
             gate=lambda result: check_rows(result[0], q, k, v, topk, torch.tensor([0])))
         rows.append(sfa_row(bench, DECODE, q, k, topk, sfa, checked, {"sdpa": dense}))
         print(format_row(rows[-1]), flush=True)

@@ -79,3 +79,19 @@ def _timed_call(fn, flush: torch.Tensor, device: torch.device) -> float:
     start, end = _queued_call(fn, flush)
     torch.cuda.synchronize(device)
     return start.elapsed_time(end)
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` as the replay of a captured CUDA graph: the same kernels on the same tensors, without Python or
+    launch overhead, as serving engines run decode steps. ``fn`` runs once on a side stream (warm-up, as capture
+    requires), then once under capture; it must not synchronise with the host. Its outputs live in the graph's
+    memory, overwritten by each replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
