@@ -78,7 +78,7 @@ class FocusLayer(nn.Module):
             assign = self._routing_of_keys(current, start, k_len)
         else:
             ids = hard_groups(logits, self.router.group_bias, cfg.top_k, start, cfg.sink_tokens)
-            groups = self._routing_of_keys(FocusGroups.of(ids, *ids.shape[:2], ids.device), start, k_len)
+            groups = self._routing_of_keys(FocusGroups.routed(ids, cfg.num_groups), start, k_len)
             if self.count_pairs:
                 attended, candidates = count_attended_pairs(groups.ids, cfg.window, q_len=q_len)
                 self.pair_counts[0] += attended

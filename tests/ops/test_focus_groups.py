@@ -99,3 +99,23 @@ def test_decode_checks_only_new_tokens_for_nan_and_refuses_them():
     k[0, 0, -1, 0] = float("nan")
     with pytest.raises(ValueError, match="k: expected no NaN"):
         focus_attention(q, k, v, groups)
+
+
+def test_routed_groups_equal_validated_ones_without_reading_them_on_the_host(monkeypatch):
+    """FocusGroups.routed takes the router's hard_groups output (sink rows listing every group, the others their
+    top-k) as FocusGroups.of would validate it, bit sets included, without one host read of the values."""
+    from sieve_attn.ops.focus.routing import hard_groups
+
+    logits = torch.randn(2, 9, 5, generator=torch.Generator().manual_seed(0))
+    ids = hard_groups(logits, torch.zeros(5), top_k=2, first_position=0, sink_tokens=1)
+    validated = FocusGroups.of(ids, 2, 9, ids.device)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a host read of tensor values")
+
+    for name in ("tolist", "item", "__int__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    routed = FocusGroups.routed(ids, 5)
+    monkeypatch.undo()
+    assert torch.equal(routed.ids, validated.ids) and torch.equal(routed.bits, validated.bits)
+    assert routed.num_groups == 5 >= validated.num_groups

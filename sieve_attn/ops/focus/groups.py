@@ -12,13 +12,14 @@ from typing import Optional
 import torch
 
 from ..._checks import fail
-from .reference import group_bits
+from .reference import bit_sets, group_bits
 
 
 @dataclass(frozen=True)
 class FocusGroups:
-    """ids [B, T, m] int64 (-1 = empty slot); bits [B, T] int64 bit sets (None when an id is >= 63);
-    num_groups = largest id + 1 (0 for an empty sequence)."""
+    """ids [B, T, m] int64 (-1 = empty slot); bits [B, T] int64 bit sets (None when an id is >= 63); num_groups
+    bounds the ids: largest id + 1 (0 for an empty sequence) when validated by :meth:`of`, the router's K when
+    :meth:`routed`."""
 
     ids: torch.Tensor
     bits: Optional[torch.Tensor]
@@ -34,6 +35,14 @@ class FocusGroups:
             return groups
         ids, num_groups = _checked_ids(groups, batch, length, device)
         return cls(ids, group_bits(ids) if num_groups <= 63 else None, num_groups)
+
+    @classmethod
+    def routed(cls, ids: torch.Tensor, num_groups: int) -> "FocusGroups":
+        """Memberships the package's own routing produced (:func:`.routing.hard_groups`: ids [B, T, m] int64 in
+        [-1, ``num_groups``), distinct within a token, each token in at least one group), valid by construction:
+        taken without :meth:`of`'s validation and its host sync, which a decode step would pay in every layer.
+        ``num_groups`` (the router's K) bounds the ids."""
+        return cls(ids, bit_sets(ids) if num_groups <= 63 else None, num_groups)
 
     def extend(self, new: "FocusGroups") -> "FocusGroups":
         """The memberships of these tokens followed by those of ``new`` (slot counts padded with -1)."""

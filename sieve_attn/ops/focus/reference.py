@@ -27,6 +27,11 @@ def group_bits(groups: torch.Tensor) -> torch.Tensor | None:
     large for one 64-bit word (ids >= 63). groups: [B, T, m], -1 = empty slot."""
     if groups.numel() and int(groups.max()) >= 63:
         return None
+    return bit_sets(groups)
+
+
+def bit_sets(groups: torch.Tensor) -> torch.Tensor:
+    """:func:`group_bits` of groups known to hold ids < 63 (not checked: no host sync)."""
     bits = torch.where(groups >= 0, torch.ones_like(groups) << groups.clamp_min(0), torch.zeros_like(groups))
     return bits.sum(dim=-1)  # ids of a token are distinct, so the sum is the bitwise or
 
