@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .config import SFA_BACKENDS
+
 DEFAULT_OUT = Path("runs")
 
 
@@ -117,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(tune)
     tune.add_argument("--method", choices=("sfa", "dense"), default="sfa", help="sfa (default) or dense")
     tune.add_argument("--topk", type=int, default=16, help="SFA: coordinates of q and k kept (16)")
+    tune.add_argument("--sfa-backend", choices=SFA_BACKENDS, default="auto",
+                      help="SFA: how the scores are computed (sfa_attention's backend): auto, reference, triton "
+                           "(FlashSFA) or sdpa (dense SDPA on the zero-filled codes: tensor-core speed) (auto)")
     tune.add_argument("--matching-weight", type=float, default=1.0,
                       help="SFA: weight of the output-matching term (1.0; 0 turns it off)")
     _train_args(tune, steps=100, lr=5e-5)
@@ -286,7 +291,7 @@ def cmd_finetune(args) -> int:
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
     model, tokenizer = distributed.load_for_training(args.model, device=args.device)
     if args.method == "sfa":
-        compose(model, SFAConfig(topk=args.topk))
+        compose(model, SFAConfig(topk=args.topk, backend=args.sfa_backend))
     runtime = distributed.runtime(args.batch_size)
     runtime.place(model)  # an FSDP launch shards it here, so that every process can take part in evaluating it
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)

@@ -18,12 +18,15 @@ def test_help_explains_finetune(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["sfa", "dense"])
-def test_finetune_writes_weights_adapter_and_result(tmp_path, method):
+@pytest.mark.parametrize("method, backend", [("sfa", "auto"), ("sfa", "sdpa"), ("dense", "auto")])
+def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend):
     out = tmp_path / method
-    assert main(["finetune", "--method", method, "--topk", "16", "--context", "32", "--threads", "1", "--steps", "1",
-                 "--eval-windows", "1", "--out", str(out)]) == 0
+    assert main(["finetune", "--method", method, "--topk", "16", "--sfa-backend", backend, "--context", "32",
+                 "--threads", "1", "--steps", "1", "--eval-windows", "1", "--out", str(out)]) == 0
     record = json.loads((out / "result.json").read_text())
     assert record["method"] == method and record["ppl_before"] > 1 and record["ppl_after"] > 1
     assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
     assert (out / "adapter" / "adapter_config.json").is_file() == (method == "sfa")
+    if method == "sfa":
+        config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+        assert config["sfa"]["backend"] == backend  # the adapter records the backend it was trained with
