@@ -138,8 +138,8 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     (no dropout). With SFA layers and ``matching_weight`` > 0 the output-matching term is added. Every
     ``checkpoint_every`` steps and at the end ``out_dir/checkpoint.pt`` is written atomically (weights, optimizer,
     step, history, step times); ``resume=True`` continues from it. ``micro_batch`` splits each process's share of a
-    batch into micro-batches whose gradients add up (under FSDP2 each micro-batch's backward reduce-scatters). The
-    weights go to ``out_dir/model.safetensors``.
+    batch into micro-batches whose gradients add up (under FSDP2 each micro-batch's backward reduce-scatters, which
+    keeps the gradients sharded). The weights go to ``out_dir/model.safetensors``.
     Returns {"steps", "history": [(step, lm loss, matching term or None)], "weights"}.
 
     Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
