@@ -24,6 +24,9 @@ CONFIGS = {
     "dense": ["--method", "dense"],
     **{f"k{k}-l{weight:g}": ["--method", "sfa", "--topk", str(k), "--matching-weight", f"{weight:g}"]
        for k in (16, 8) for weight in (1, 0, 10, 0.1)},
+    # Gradual sparsification: top-k falls from the head dim over the first 100 steps.
+    **{f"k{k}-l1-warm100": ["--method", "sfa", "--topk", str(k), "--matching-weight", "1", "--topk-warmup", "100"]
+       for k in (16, 8)},
 }
 
 
@@ -81,11 +84,15 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for topk in sorted({r["topk"] for r in rows if r["method"] == "sfa"}):
-        points = sorted((r["matching_weight"], r["ppl_after"]) for r in rows if r["topk"] == topk)
-        # lambda = 0 sits at the left edge of a log axis: plotted at a tenth of the smallest positive weight
-        smallest = min((w for w, _ in points if w > 0), default=1.0)
-        ax.plot([w if w > 0 else smallest / 10 for w, _ in points], [p for _, p in points], "o-", label=f"SFA k={topk}")
+    sfa = [r for r in rows if r["method"] == "sfa"]
+    # lambda = 0 sits at the left edge of a log axis: plotted at a tenth of the smallest positive weight
+    smallest = min((r["matching_weight"] for r in sfa if r["matching_weight"] > 0), default=1.0)
+    for topk in sorted({r["topk"] for r in sfa}):
+        for warm in sorted({r["settings"].get("topk_warmup", 0) for r in sfa if r["topk"] == topk}):
+            points = sorted((r["matching_weight"] or smallest / 10, r["ppl_after"]) for r in sfa
+                            if r["topk"] == topk and r["settings"].get("topk_warmup", 0) == warm)
+            label = f"SFA k={topk}" + (f", top-k warm-up {warm} steps" if warm else "")
+            ax.plot([w for w, _ in points], [p for _, p in points], "o-" if not warm else "*", label=label)
     for row in rows:
         if row["method"] == "dense":
             ax.axhline(row["ppl_after"], color="k", ls="--", label="dense fine-tune")

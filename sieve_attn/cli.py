@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(FlashSFA) or sdpa (dense SDPA on the zero-filled codes: tensor-core speed) (auto)")
     tune.add_argument("--matching-weight", type=float, default=1.0,
                       help="SFA: weight of the output-matching term (1.0; 0 turns it off)")
+    tune.add_argument("--topk-warmup", type=int, default=0,
+                      help="SFA: steps over which top-k falls geometrically from the head dim to --topk (gradual "
+                           "sparsification; 0: --topk from the start)")
     _train_args(tune, steps=100, lr=5e-5)
     _eval_args(tune, windows=6)
     tune.add_argument("--out", type=Path, default=DEFAULT_OUT / "finetune", help="output folder (runs/finetune)")
@@ -299,7 +302,7 @@ def cmd_finetune(args) -> int:
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
-                                micro_batch=args.micro_batch)
+                                micro_batch=args.micro_batch, topk_warmup=args.topk_warmup)
     result = finetune(model, windows, args.out, settings, resume=args.resume)
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 from .._checks import check_int, fail
 from ..nn.sfa_layer import CachedKeys
 from ..ops.sfa.cache import SFAKeyCache
-from .transformers import ATTENTION_NAME, _head_dim, attention_modules
+from .transformers import ATTENTION_NAME, attention_modules, head_dim
 
 
 class SFACacheLayer(CacheLayerMixin):
@@ -191,7 +191,7 @@ def _cache_layers(model: nn.Module, capacity: int) -> list[SFACacheLayer]:
         fail("model", f"attention modules with layer_idx 0 .. {len(dense) - 1} (one per layer of its config)", indices)
     text = model.config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return [SFACacheLayer(sfa.topk, kv_heads, _head_dim(model), _window(layer), capacity) for layer in dense]
+    return [SFACacheLayer(sfa.topk, kv_heads, head_dim(model), _window(layer), capacity) for layer in dense]
 
 
 def _window(layer) -> Optional[int]:

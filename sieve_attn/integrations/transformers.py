@@ -131,7 +131,8 @@ def _split_configs(configs) -> tuple[Optional[FocusConfig], Optional[SFAConfig]]
     return (focus or [None])[0], (sfa or [None])[0]
 
 
-def _head_dim(model: nn.Module) -> int:
+def head_dim(model: nn.Module) -> int:
+    """The head dimension of ``model``'s attention (its config's head_dim, else hidden size / heads)."""
     text = model.config.get_text_config()
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
@@ -148,8 +149,8 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     focus, sfa = _split_configs(configs)
     if is_composed(model):
         fail("model", "a model not yet composed", "a model already composed (load a fresh model)")
-    if sfa is not None and sfa.topk > _head_dim(model):
-        fail("topk", f"at most the model's head dim {_head_dim(model)}", sfa.topk)
+    if sfa is not None and sfa.topk > head_dim(model):
+        fail("topk", f"at most the model's head dim {head_dim(model)}", sfa.topk)
     softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
     if sfa is not None and focus is None and sfa.backend == "sdpa" and softcap is not None:
         fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto', 'reference' or "

@@ -54,11 +54,14 @@ class SFALayer(nn.Module):
     def __init__(self, config: SFAConfig):
         super().__init__()
         self.config = config
+        # The top-k in use: config.topk, except while fine-tuning warms it up from the head dim
+        # (FinetuneSettings.topk_warmup).
+        self.topk = config.topk
         self.matching = False
         self.matching_terms: list[torch.Tensor] = []
 
     def extra_repr(self) -> str:
-        return f"topk={self.config.topk}"
+        return f"topk={self.topk}"
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None, focus=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] with SFA scores; with ``focus`` (the layer's
@@ -77,7 +80,7 @@ class SFALayer(nn.Module):
                 return sfa_decode(q, k.cache, scale=scale, backend=sfa_decode_backend(self.config.backend))[0]
             k = k.dense()
         target = self._dense_target(q, k, v, attn_mask, scale, softcap)
-        topk = self.config.topk
+        topk = self.topk
         if focus is not None:
             out = focus.attend(sparsify(q, topk), sparsify(k, topk), v, attn_mask=attn_mask, scale=scale,
                                softcap=softcap)

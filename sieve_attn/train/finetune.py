@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .._checks import check_tensors_fit, fail
+from .._checks import check_int, check_tensors_fit, fail
 from .._files import atomic_write
-from ..integrations.transformers import LAYER_ATTR, sfa_layers
+from ..integrations.transformers import LAYER_ATTR, head_dim, sfa_layers
 from . import distributed, loop
 
 WEIGHTS = "model.safetensors"
@@ -27,13 +27,32 @@ _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
 
 @dataclass
 class FinetuneSettings(loop.TrainSettings):
+    """``matching_weight``: the weight of the output-matching term. ``topk_warmup``: steps over which SFA's top-k
+    falls from the head dim (dense) to its configured value (:func:`topk_at`); 0 starts at the configured value."""
+
     matching_weight: float = 1.0
+    topk_warmup: int = 0
+
+
+def topk_at(step: int, topk: int, dim: int, warmup: int) -> int:
+    """SFA's top-k at 0-based ``step`` of a fine-tune whose top-k warms up over ``warmup`` steps: geometrically from
+    the head dim ``dim`` at step 0 to ``topk`` at step ``warmup`` and after (the fraction of coordinates kept
+    shrinks by the same factor every step), rounded to the nearest int."""
+    if step >= warmup:
+        return topk
+    return max(topk, min(dim, round(dim * (topk / dim) ** (step / warmup))))
 
 
 def _check(windows: torch.Tensor, settings: FinetuneSettings) -> None:
     loop.check_settings(windows, settings)
     if not isinstance(settings.matching_weight, (int, float)) or settings.matching_weight < 0:
         fail("matching_weight", "a number >= 0", repr(settings.matching_weight))
+    check_int("topk_warmup", settings.topk_warmup, 0)
+
+
+def _set_topk(layers: list, step: int, warmup: int, dim: int) -> None:
+    for layer in layers:
+        layer.topk = topk_at(step, layer.config.topk, dim, warmup)
 
 
 def base_parameters(model) -> dict[str, torch.nn.Parameter]:
@@ -139,7 +158,9 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     ``checkpoint_every`` steps and at the end ``out_dir/checkpoint.pt`` is written atomically (weights, optimizer,
     step, history, step times); ``resume=True`` continues from it. ``micro_batch`` splits each process's share of a
     batch into micro-batches whose gradients add up (under FSDP2 each micro-batch's backward reduce-scatters, which
-    keeps the gradients sharded). The weights go to ``out_dir/model.safetensors``.
+    keeps the gradients sharded). ``topk_warmup`` > 0 lowers SFA's top-k step by step from the head dim to its
+    configured value (:func:`topk_at`; gradual sparsification); the layers keep the configured value afterwards.
+    The weights go to ``out_dir/model.safetensors``.
     Returns {"steps", "history": [(step, lm loss, matching term or None)], "weights"}.
 
     Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
@@ -159,13 +180,15 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     for p in params.values():
         p.requires_grad_(True)
     runtime.replicate_(params.values())
-    layers = list(sfa_layers(model)) if settings.matching_weight > 0 else []
+    every_layer = list(sfa_layers(model))
+    layers = every_layer if settings.matching_weight > 0 else []
     optimizer = torch.optim.AdamW(params.values(), lr=settings.lr, weight_decay=0.0)
     job = loop.Job("finetune",
                    step=partial(_train_step, model, list(params.values()), optimizer, layers,
                                 settings.matching_weight, runtime),
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
-                   restore=partial(_restore, model, optimizer, params))
+                   restore=partial(_restore, model, optimizer, params),
+                   begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)))
     model.eval()
     for layer in layers:
         layer.matching = True
@@ -173,8 +196,9 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
         history = loop.run(job, windows, out_dir, settings, optimizer, runtime,
                            device=next(model.parameters()).device, resume=resume, progress=progress)
     finally:
-        for layer in layers:
+        for layer in every_layer:
             layer.matching = False
+            layer.topk = layer.config.topk
         _clear(layers)
         for p in params.values():
             p.requires_grad_(False)

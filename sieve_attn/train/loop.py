@@ -49,12 +49,15 @@ class Job:
       process's answer is written.
     - ``restore(state)``: loads a checkpoint's ``snapshot()`` part back into the model and the optimizer; every
       process calls it, with the whole checkpoint.
+    - ``begin(step)``: called before 0-based step ``step`` (after the learning rate is set), for what else follows
+      a schedule; a function of the step alone, so that resuming repeats it.
     """
 
     name: str
     step: Callable[[torch.Tensor], tuple]
     snapshot: Callable[[], dict]
     restore: Callable[[dict], None]
+    begin: Callable[[int], None] = lambda step: None
 
 
 def check_settings(windows: torch.Tensor, settings) -> None:
@@ -108,6 +111,7 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
         batch = windows[order[runtime.share(picks)]].to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, settings)
+        job.begin(step)
         started = time.perf_counter()
         values = job.step(batch.split(micro))  # host numbers: the step has finished on the device
         step_seconds.append(time.perf_counter() - started)

@@ -70,6 +70,39 @@ def test_bad_settings_are_refused(tmp_path):
         finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(matching_weight=-1))
     with pytest.raises(ValueError, match="windows: expected token ids"):
         finetune(tiny_model("llama"), _windows()[0], tmp_path)
+    with pytest.raises(ValueError, match="topk_warmup: expected an int in \\[0"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(topk_warmup=-1))
+
+
+def test_topk_warmup_schedule():
+    """Geometric from the head dim to top-k: 64 -> 32 -> 16 over 2 steps of a warm-up of 2 (k/D = 1/4)."""
+    from sieve_attn.train.finetune import topk_at
+
+    assert [topk_at(step, 16, 64, 2) for step in range(4)] == [64, 32, 16, 16]
+    assert [topk_at(step, 4, 16, 0) for step in range(2)] == [4, 4]
+    assert all(4 <= topk_at(step, 4, 16, 7) <= 16 for step in range(9))
+
+
+def test_topk_warmup_sparsifies_step_by_step_and_resumes_the_schedule(tmp_path):
+    """Each step's forward sees the scheduled top-k (16 coordinates of the tiny model, to 4 over 2 steps); the
+    layers end at the configured top-k; a run resumed after step 1 repeats the uninterrupted one."""
+    from sieve_attn.integrations.transformers import sfa_layers
+
+    settings = FinetuneSettings(steps=4, lr=3e-3, warmup=1, batch_size=2, topk_warmup=2, checkpoint_every=1)
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    seen = []
+    layer = next(iter(sfa_layers(model)))
+    attend = layer.attend
+    layer.attend = lambda *args, **kwargs: seen.append(layer.topk) or attend(*args, **kwargs)
+    whole = finetune(model, _windows(), tmp_path / "whole", settings, progress=False)["history"]
+    assert seen == [16, 8, 4, 4] and layer.topk == 4  # one forward per step
+
+    resumed_model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    finetune(resumed_model, _windows(), tmp_path / "part", FinetuneSettings(**{**settings.__dict__, "steps": 1}),
+             progress=False)
+    resumed = finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path / "part",
+                       settings, resume=True, progress=False)["history"]
+    assert [row[1] for row in resumed] == pytest.approx([row[1] for row in whole], rel=1e-5)
 
 
 def test_activation_checkpointing_trains_the_same_weights_and_writes_the_same_names(tmp_path):
