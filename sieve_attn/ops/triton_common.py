@@ -47,6 +47,14 @@ def tanh(x):
 
 
 @jit
+def softmax_start(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online softmax of decode kernels before any key: (acc [BLOCK_M, HEAD_DIM] = 0, l_i [BLOCK_M] = 0,
+    m_i [BLOCK_M] = -inf), float32."""
+    return (tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.full([BLOCK_M], float("-inf"), tl.float32))
+
+
+@jit
 def softmax_step(acc, l_i, m_i, s, v, NATIVE: tl.constexpr):
     """One online-softmax step of decode kernels: masked logits s [M, N] (natural units, -inf = not attended) and
     values v [N, D] update (acc [M, D], l_i [M], m_i [M]). With 16-bit V, P enters P @ V as the sum of two 16-bit

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import split_k
 from ..split_k import program_rows, store_rows
-from ..triton_common import dot, is_interpreted, softmax_finish, softmax_step, tanh
+from ..triton_common import dot, is_interpreted, softmax_finish, softmax_start, softmax_step, tanh
 
 # Warps and pipeline depth, measured on an H200 (D = 64, 128 and 256; 8 warps and 2 or 4 stages were slower).
 _NUM_WARPS, _NUM_STAGES = 4, 3
@@ -46,9 +46,7 @@ def _focus_decode_chunk(
     k_head = K + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         k_bits = tl.load(bits_row + n * stride_bits_t, mask=n < stop, other=0)

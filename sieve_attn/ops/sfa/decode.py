@@ -48,8 +48,8 @@ from ..._checks import check_choice, check_no_nan, fail, resolve_scale
 from ...config import SFA_DECODE_BACKENDS
 from .. import split_k
 from ..split_k import program_rows, store_rows
-from ..triton_common import (choose_backend, is_interpreted, jit, kernel_blocker, softmax_finish, softmax_step,
-                             triton)
+from ..triton_common import (choose_backend, is_interpreted, jit, kernel_blocker, softmax_finish, softmax_start,
+                             softmax_step, triton)
 from .cache import SFAKeyCache
 from .codes import densify, sparsify
 
@@ -173,9 +173,7 @@ def _sfa_decode_chunk(
     val_head = VAL + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         key_ok = n < stop
