@@ -5,7 +5,8 @@ the shared coordinates, zero-overlap pairs scoring 0), so ``F.scaled_dot_product
 with whichever dense kernel PyTorch picks (cuDNN or FlashAttention on GPUs). It runs at dense tensor-core speed and
 saves nothing from the sparsity: it is the fastest SFA where dense attention runs on tensor cores, and the yardstick
 the sparse FlashSFA kernels must beat there. Memory: q~ and k~ are one more copy of q and k, O(T x D); no T x T
-tensor unless the call brings one (``attn_mask``) or asks for a causal chunk with Tq < Tk (a [Tq, Tk] mask).
+tensor unless the call brings one (``attn_mask``): a causal chunk with Tq < Tk passes PyTorch's lower-right causal
+bias, which its flash and memory-efficient kernels apply without a mask tensor.
 """
 from __future__ import annotations
 
