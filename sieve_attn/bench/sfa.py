@@ -39,6 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import SFA_BACKENDS, sfa_decode_backend
+from ..ops.masked_sdpa import causal_mask
 from ..ops.sfa.attention import sfa_attention
 from ..ops.sfa.cache import SFAKeyCache, dense_bytes_per_token, packed_bytes
 from ..ops.sfa.codes import sparsify
@@ -115,8 +116,7 @@ def check_rows(out: torch.Tensor, q, k, v, topk: int, rows: torch.Tensor) -> Ver
 def sparse_causal_attention(q, k, v, *, topk: int, dtype: torch.dtype) -> torch.Tensor:
     """SFA as dense masked attention on the sparsified q and k, in ``dtype`` (differentiable; builds a Tq x Tk mask,
     so short lengths only). q [1, Hq, Tq, D]; k, v [1, Hkv, Tk, D]."""
-    q_len, k_len = q.shape[2], k.shape[2]
-    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    mask = causal_mask(q.shape[2], k.shape[2], q.device)
     return dense_masked_attention(sparsify(q, topk), sparsify(k, topk), v, mask, dtype)
 
 

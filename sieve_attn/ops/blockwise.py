@@ -217,7 +217,8 @@ def _gated_logits(settings, qb, k, q_pos, k_pos, block_mask, gate_inputs, comput
     allowed = _allowed(settings.causal, settings.pair_mask, q_pos, k_pos, block_mask)
     shift = None if bias is None else bias.detach()[:, None, None]
     if allowed is not None and (allowed.dim() == 2 or allowed.shape[1:3] == (1, 1)):
-        # Head-shared mask ([bq, bk] causal, or [B, 1, 1, bq, bk]): -inf goes into the head-shared shift (bias + -inf is the -inf masked_fill would write).
+        # Head-shared mask ([bq, bk] causal, or [B, 1, 1, bq, bk]): -inf goes into the head-shared shift (bias +
+        # -inf is the -inf masked_fill would write).
         shift = torch.where(allowed, torch.zeros((), dtype=compute_dtype, device=scores.device) if shift is None
                             else shift, float("-inf"))
         allowed = None

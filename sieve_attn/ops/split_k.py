@@ -56,20 +56,21 @@ def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device
 def program_rows(Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys,
                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """This program's (batch, KV head, rows r [BLOCK_M] with row_ok, their positions q_pos, d = arange(D), the query
-    rows q [BLOCK_M, D] (0 past the last row), and its key range [start, stop)). Row r is query r % Tq of query head
-    r // Tq of the KV head's group; query i sits at key position Tk - Tq + i."""
+    rows q [BLOCK_M, D] (0 past the last row), pointers q_rows [BLOCK_M] to each row's first coordinate (rows past
+    the last point anywhere: load them masked), and its key range [start, stop)). Row r is query r % Tq of query
+    head r // Tq of the KV head's group; query i sits at key position Tk - Tq + i. A kernel that gathers q through
+    q_rows leaves q unused, and the compiler drops its load."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // kv_heads).to(tl.int64)
     kv_head = (pid_bh % kv_heads).to(tl.int64)
     r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < group * q_len
-    q_head = kv_head * group + r // q_len
     i = r % q_len
+    q_rows = Q + b * stride_qb + (kv_head * group + r // q_len) * stride_qh + i * stride_qt
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + q_head[:, None] * stride_qh + i[:, None] * stride_qt + d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_rows[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
     start = tl.program_id(1) * chunk_keys
-    return b, kv_head, r, row_ok, k_len - q_len + i, d, q, start, tl.minimum(start + chunk_keys, k_len)
+    return b, kv_head, r, row_ok, k_len - q_len + i, d, q, q_rows, start, tl.minimum(start + chunk_keys, k_len)
 
 
 @jit

@@ -61,7 +61,8 @@ def test_window_layout_pads_each_sequence():
     layout = window_layout(batch=2, length=10, block=4, device="cpu")
     assert layout.slot_token.tolist() == list(range(10)) + [-1, -1] + list(range(10)) + [-1, -1]
     assert layout.tile_batch.tolist() == [0, 0, 0, 1, 1, 1]
-    assert layout.tile_seg_start.tolist() == [0, 0, 0, 12, 12, 12] and layout.tile_seg_end.tolist() == [12] * 3 + [24] * 3
+    assert layout.tile_seg_start.tolist() == [0, 0, 0, 12, 12, 12]
+    assert layout.tile_seg_end.tolist() == [12] * 3 + [24] * 3
 
 
 def test_explicit_triton_refuses_what_it_cannot_compute():

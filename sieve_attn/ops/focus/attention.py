@@ -25,6 +25,7 @@ import torch
 from ..._checks import check_attention_call, check_choice, check_int, check_positive_float, check_softcap, fail
 from ..._checks import check_qkv, resolve_scale
 from ...config import FOCUS_BACKENDS
+from ..masked_sdpa import causal_mask, masked_sdpa
 from ..triton_common import kernel_blocker
 from .decomposed import focus_attention_sdpa, sdpa_blocker
 from .flex import flex_blocker, focus_attention_flex
@@ -177,17 +178,14 @@ def _resolve(q, k, num_groups, *, causal, softcap, attn_mask, backend, return_ls
 
 def _dense(q, k, v, groups, *, window, causal, scale, attn_mask):
     """SDPA with the Focus pattern as a [B, 1, Tq, Tk] boolean mask; rows with no key give 0 (not NaN)."""
-    k_len = k.shape[2]
-    q_pos = torch.arange(k_len - q.shape[2], k_len, device=q.device)
-    k_pos = torch.arange(k_len, device=q.device)
-    allowed = focus_pair_mask(groups, window)(q_pos, k_pos)[:, None]
+    q_len, k_len = q.shape[2], k.shape[2]
+    q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
+    allowed = focus_pair_mask(groups, window)(q_pos, torch.arange(k_len, device=q.device))[:, None]
     if causal:
-        allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+        allowed = allowed & causal_mask(q_len, k_len, q.device)
     if attn_mask is not None:
         allowed = allowed & attn_mask
-    result = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
-                                                              enable_gqa=q.shape[1] != k.shape[1])
-    return result.masked_fill(~allowed.any(-1, keepdim=True), 0)
+    return masked_sdpa(q, k, v, allowed, scale=scale)
 
 
 def focus_soft_attention(

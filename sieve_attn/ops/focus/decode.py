@@ -39,7 +39,7 @@ def _focus_decode_chunk(
 ):
     """Grid (B * Hkv, chunks, row blocks). Writes the chunk's normalized output and log-sum-exp of each row to
     O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (contiguous; chunks = 1 writes the final tensors)."""
-    b, kv_head, r, row_ok, q_pos, d, q, start, stop = program_rows(
+    b, kv_head, r, row_ok, q_pos, d, q, _, start, stop = program_rows(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
     bits_row = BITS + b * stride_bits_b
     q_bits = tl.load(bits_row + q_pos * stride_bits_t, mask=row_ok, other=0)

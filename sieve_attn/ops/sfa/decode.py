@@ -115,14 +115,6 @@ def _sparsify_rows(X, Y, stride_xb, stride_xh, stride_xt, stride_xd, heads, q_le
 
 
 @jit
-def _query_rows(Q, b, kv_head, r, stride_qb, stride_qh, stride_qt, group, q_len):
-    """Pointers [BLOCK_M] to the first coordinate of each row of this program: row r is query r % Tq of query head
-    kv_head * group + r // Tq (:func:`..split_k.program_rows`); rows past the last point anywhere (load them
-    masked)."""
-    return Q + b * stride_qb + (kv_head * group + r // q_len) * stride_qh + (r % q_len) * stride_qt
-
-
-@jit
 def _code_scores(q_rows, row_ok, key_bytes, key_values, key_ok, stride_qd, stride_ibyte, stride_kk,
                  TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Unscaled scores [BLOCK_M, BLOCK_N] float32 of the program's rows against a tile of cached keys, read from
@@ -165,10 +157,9 @@ def _sfa_decode_chunk(
     [B, Hkv, Tk, TOPK]; V [B, Hkv, Tk, D]. BLOCK_M rows per program (any power of two: P @ V pads a dot of fewer
     than 16 rows itself). Writes each row's output over the chunk's keys (normalised over them) and its
     log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (float32, contiguous)."""
-    # program_rows' dense q tile goes unused (the scores gather q by address), so the compiler drops its load.
-    b, kv_head, r, row_ok, q_pos, d, _, start, stop = program_rows(
+    # The scores gather q by address through q_rows: program_rows' dense q tile goes unused.
+    b, kv_head, r, row_ok, q_pos, d, _, q_rows, start, stop = program_rows(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
-    q_rows = _query_rows(Q, b, kv_head, r, stride_qb, stride_qh, stride_qt, group, q_len)
     idx_head = IDX + b * stride_ib + kv_head * stride_ih
     val_head = VAL + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh

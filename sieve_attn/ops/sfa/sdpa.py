@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..._checks import fail
+from ..masked_sdpa import causal_mask, masked_sdpa
 from .codes import sparsify
 
 
@@ -37,20 +38,15 @@ def sfa_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top
     :func:`sieve_attn.sfa_attention` defines it; returns out [B, Hq, Tq, D] in q's dtype.
 
     Query i sits at key position Tk - Tq + i. A query with no attended key (possible only through ``attn_mask``)
-    gets 0, with zero gradients (it attends all keys inside the kernel, whose result is then dropped: dense kernels
-    differ on such rows, some giving NaN). Gradients reach q and k at their kept coordinates only (``sparsify``'s
-    straight-through rule) and v everywhere.
+    gets 0, with zero gradients (:func:`..masked_sdpa.masked_sdpa`). Gradients reach q and k at their kept
+    coordinates only (``sparsify``'s straight-through rule) and v everywhere.
     """
     q_len, k_len = q.shape[2], k.shape[2]
-    mask, is_causal, attended = attn_mask, causal and q_len == k_len and attn_mask is None, None
-    if causal and q_len < k_len and attn_mask is None:
-        mask = causal_lower_right(q_len, k_len)  # no [Tq, Tk] tensor for the kernels that align it themselves
-    elif attn_mask is not None:
-        if causal:
-            positions = torch.arange(k_len, device=q.device)
-            mask = mask & (positions[None, :] <= positions[k_len - q_len:, None])
-        attended = mask.any(dim=-1, keepdim=True)
-        mask = mask | ~attended
-    out = F.scaled_dot_product_attention(sparsify(q, topk), sparsify(k, topk), v, attn_mask=mask,
-                                         is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out if attended is None else torch.where(attended, out, 0.0)
+    q_sparse, k_sparse = sparsify(q, topk), sparsify(k, topk)
+    if attn_mask is not None:
+        allowed = attn_mask & causal_mask(q_len, k_len, q.device) if causal else attn_mask
+        return masked_sdpa(q_sparse, k_sparse, v, allowed, scale=scale)
+    # No mask tensor: is_causal aligns Tq == Tk; a chunk with Tq < Tk takes PyTorch's lower-right causal bias.
+    bias = causal_lower_right(q_len, k_len) if causal and q_len < k_len else None
+    return F.scaled_dot_product_attention(q_sparse, k_sparse, v, attn_mask=bias, is_causal=causal and bias is None,
+                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
