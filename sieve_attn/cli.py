@@ -120,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--method", choices=("sfa", "dense"), default="sfa", help="sfa (default) or dense")
     tune.add_argument("--topk", type=int, default=16, help="SFA: coordinates of q and k kept (16)")
     tune.add_argument("--sfa-backend", choices=SFA_BACKENDS, default="auto",
-                      help="SFA: how the scores are computed (sfa_attention's backend): auto, reference, triton "
-                           "(FlashSFA) or sdpa (dense SDPA on the zero-filled codes: tensor-core speed) (auto)")
+                      help="SFA: how the scores are computed (sfa_attention's backend): auto (on CUDA sdpa, the "
+                           "faster on the H200, or triton where the model caps logits; the reference on the CPU), "
+                           "reference, triton (FlashSFA) or sdpa (dense SDPA on the zero-filled codes: tensor-core "
+                           "speed) (auto)")
     tune.add_argument("--matching-weight", type=float, default=1.0,
                       help="SFA: weight of the output-matching term (1.0; 0 turns it off)")
     tune.add_argument("--topk-warmup", type=int, default=0,
@@ -159,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "speedup_vs_length.png to --out. Exits 1 if any configuration failed its check.")
     add_bench_focus_args(bench_focus)
     bench_sfa = bench.add_parser(
-        "sfa", help="SFA (FlashSFA) vs dense SDPA (cuDNN, flash), a CUDA-core dense kernel, and dense decode",
+        "sfa", help="SFA (any backend: FlashSFA, dense SDPA on the codes) vs dense SDPA (cuDNN, flash), a CUDA-core "
+                    "dense kernel, and dense decode",
         description="Times sfa_attention (prefill forward, optionally forward+backward) against dense causal "
                     "attention on the same bf16 inputs: SDPA-cuDNN, SDPA-flash, and a dense Triton kernel with "
                     "FlashSFA's tiling that computes its scores on CUDA cores (the paper's like-for-like baseline; "

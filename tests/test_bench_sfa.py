@@ -1,5 +1,6 @@
 """`sieve bench sfa` on the CPU: end to end on tiny sizes, the correctness gate, the work counts and the CLI help."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ from sieve_attn.bench.common import BACKWARD, DECODE, FORWARD
 from sieve_attn.bench import sfa as bench_sfa
 from sieve_attn.bench.sfa import cache_bytes, check_rows, decode_work, prefill_work
 from sieve_attn.cli import main
+from sieve_attn.config import sfa_decode_backend
 from sieve_attn.ops.sfa.attention import sfa_attention
+from sieve_attn.ops.triton_common import triton
 
 TINY = ["--lengths", "128,256", "--head-dims", "32", "--heads", "2", "--topk", "4,8", "--decode-lengths", "256",
         "--decode-heads", "4/2", "--warmup", "0", "--reps", "1", "--gate-rows", "16", "--backend", "reference",
@@ -103,6 +106,22 @@ def test_bench_sfa_help(capsys):
                    "--backward", "--max-backward-length", "--decode-lengths", "--decode-heads", "--gate-rows",
                    "--device", "--out"):
         assert option in text
+
+
+@pytest.mark.parametrize("requested, mode, want", [("auto", FORWARD, "sdpa"), ("auto", BACKWARD, "sdpa"),
+                                                    ("auto", DECODE, "triton"), ("triton", FORWARD, "triton"),
+                                                    ("sdpa", DECODE, "triton"), ("reference", FORWARD, "reference")])
+def test_rows_name_the_backend_auto_takes_on_cuda(requested, mode, want):
+    """On CUDA (a stand-in q: the choice reads shape, device and dtype only) auto prefills with sdpa, measured the
+    faster on the H200, and decodes with the Triton kernel; each row records which, and why."""
+    if want == "triton" and triton is None:
+        pytest.skip("triton is not installed")
+    q = SimpleNamespace(shape=(1, 8, 64, 128), device=torch.device("cuda"), dtype=torch.bfloat16)
+    bench = SimpleNamespace(config=SimpleNamespace(backend=requested), decode_backend=sfa_decode_backend(requested))
+    backend, reason = bench_sfa.Bench.backend_used(bench, q, mode)
+    assert backend == want and reason
+    if requested == "auto" and mode != DECODE:
+        assert reason.startswith("auto on CUDA")
 
 
 def test_topk_above_head_dim_is_refused(tmp_path):

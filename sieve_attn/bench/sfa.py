@@ -1,4 +1,7 @@
-"""``sieve bench sfa``: SFA attention (FlashSFA) against dense kernels, every configuration checked first.
+"""``sieve bench sfa``: SFA attention against dense kernels, every configuration checked first.
+
+The SFA calls run the ``--backend`` asked for (under "auto" on CUDA: sdpa for prefill, the Triton kernel for decode;
+``--backend triton`` times the FlashSFA kernels); each row records the backend that ran and why.
 
 Inputs are random bf16 q, k, v (B=1). Prefill times ``sfa_attention(q, k, v, topk=k, causal=True)`` (forward, and
 forward+backward with ``backward``); decode times ``sfa_decode`` of one query token over an :class:`SFAKeyCache`
@@ -40,7 +43,7 @@ import torch
 
 from ..config import SFA_BACKENDS, sfa_decode_backend
 from ..ops.masked_sdpa import causal_mask
-from ..ops.sfa.attention import sfa_attention
+from ..ops.sfa.attention import sfa_attention, sfa_backend
 from ..ops.sfa.cache import SFAKeyCache, dense_bytes_per_token, packed_bytes
 from ..ops.sfa.codes import sparsify
 from ..ops.sfa.decode import sfa_decode
@@ -85,8 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_arguments(
         parser, d, method="SFA", add_method_arguments=add_sfa_arguments, backends=SFA_BACKENDS,
         backend_help="backend of sfa_attention and sfa_decode under test: triton (the FlashSFA kernels), sdpa (dense "
-                     "SDPA on the zero-filled codes; decode then runs as auto), reference "
-                     "(PyTorch) or auto (triton on CUDA)", baselines=BASELINES,
+                     "SDPA on the zero-filled codes; decode then runs as auto), reference (PyTorch) or auto (on "
+                     "CUDA: sdpa for prefill, the faster on the H200, and the Triton kernel for decode)",
+        baselines=BASELINES,
         baselines_help="comma list of cudnn, flash (dense causal SDPA with that backend), cuda-core (dense attention "
                        "with FlashSFA's tiling and its scores on CUDA cores, the paper's like-for-like baseline; "
                        "forward only, CUDA only) (all); decode always compares with dense SDPA decode",
@@ -176,11 +180,15 @@ class Bench(Timer):
         self.decode_fn = functools.partial(sfa_decode, backend=self.decode_backend)
 
     def backend_used(self, q, mode: str) -> tuple[str, Optional[str]]:
-        """(backend, why) that sfa_attention (or sfa_decode, for ``mode`` DECODE) resolves to for q; "unavailable",
-        with the reason, when the requested backend cannot take the call."""
-        requested = self.decode_backend if mode == DECODE else self.config.backend
-        if requested == "sdpa":
-            return "sdpa", "requested"
+        """(backend, why) that sfa_attention (or sfa_decode, for ``mode`` DECODE) resolves to for q (the bench's
+        calls: causal, no softcap, no mask, no log-sum-exp); "unavailable", with the reason, when the requested
+        backend cannot take the call."""
+        if mode != DECODE:
+            try:
+                return sfa_backend(q, backend=self.config.backend)
+            except ValueError as error:
+                return "unavailable", str(error)
+        requested = self.decode_backend
         blocker = kernel_blocker(q)
         try:
             backend = choose_backend(requested, q, blocker)
@@ -189,8 +197,8 @@ class Bench(Timer):
         if requested != "auto":
             return backend, "requested"
         if backend == "triton":
-            return backend, "auto: the Triton kernels take the call"
-        return backend, blocker or f"auto takes the Triton kernels on CUDA only, q is on {q.device}"
+            return backend, "auto: the Triton decode kernel takes the call"
+        return backend, blocker or f"auto takes the Triton decode kernel on CUDA only, q is on {q.device}"
 
     def backward_verdict(self, head_dim: int, topk: int) -> Optional[Verdict]:
         """The gradient gate for this (D, k), run once at ``backward_gate_length`` (or shorter). None when the SFA

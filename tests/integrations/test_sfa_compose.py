@@ -103,12 +103,14 @@ def test_focus_and_sfa_together(arch):
 
 
 def test_focus_and_sfa_through_the_triton_kernels_equal_the_reference():
-    """The fast path of Focus + SFA: the Focus kernels on the sparsified q and k (Triton interpreter on the CPU)."""
+    """The fast path of Focus + SFA: the Focus kernels on the sparsified q and k (on the GPU where there is one,
+    else in the Triton interpreter)."""
     pytest.importorskip("triton")
     torch.manual_seed(0)
-    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, top_k=2, backend="triton"),
-                       sa.SFAConfig(topk=4))
-    ids = random_ids(1, 24)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = sa.compose(tiny_model("llama").to(device),
+                       sa.FocusConfig(num_groups=4, window=4, top_k=2, backend="triton"), sa.SFAConfig(topk=4))
+    ids = random_ids(1, 24).to(device)
     fast = _logits(model, ids)
     sa.reconfigure(model, backend="reference")
     torch.testing.assert_close(fast, _logits(model, ids), rtol=0, atol=1e-4)
@@ -164,3 +166,38 @@ def test_compose_refuses_the_sdpa_backend_on_a_softcapped_model():
                                          ".*got 'sdpa'"):
         sa.compose(tiny_model("gemma2"), sa.SFAConfig(topk=4, backend="sdpa"))
     sa.compose(tiny_model("gemma2"), sa.FocusConfig(num_groups=4, window=4), sa.SFAConfig(topk=4, backend="sdpa"))
+
+
+# (attn_mask passed, backend auto takes on CUDA) of a tiny model's calls: Mistral's sliding window and Gemma-2's local
+# layer pass a mask (window 8 < 40 tokens), which sdpa takes; Gemma-2 caps its logits, so its global layer takes the
+# Triton kernels and its local one, masked, the reference (neither sdpa nor the kernels compute it).
+AUTO_ON_CUDA = {"llama": {(False, "sdpa")}, "mistral": {(True, "sdpa")},
+                "gemma2": {(False, "triton"), (True, "reference")}}
+
+
+@pytest.mark.parametrize("arch", AUTO_ON_CUDA)
+def test_auto_on_cuda_runs_sdpa_unless_the_model_caps_logits(arch, monkeypatch):
+    """The calls a composed model makes, resolved as on CUDA (a stand-in q of the same shape and dtype: the choice
+    reads nothing else): auto takes sdpa, the faster on the H200, except on a model that caps its logits (Gemma-2).
+    On the CPU the same calls keep the reference."""
+    from types import SimpleNamespace
+
+    import sieve_attn.ops.sfa.attention as attention_module
+    from sieve_attn.ops.triton_common import triton
+
+    if arch == "gemma2" and triton is None:
+        pytest.skip("triton is not installed")
+    calls, resolve = [], attention_module._resolve
+
+    def recording(q, attn_mask, softcap, return_lse, backend):
+        calls.append((q, attn_mask, softcap, return_lse, backend))
+        return resolve(q, attn_mask, softcap, return_lse, backend)
+
+    monkeypatch.setattr(attention_module, "_resolve", recording)
+    model = sa.compose(tiny_model(arch), sa.SFAConfig(topk=4))
+    _logits(model, random_ids())
+    assert calls and all(call[-1] == "auto" for call in calls)
+    on_cuda = [SimpleNamespace(shape=q.shape, device=torch.device("cuda"), dtype=q.dtype) for q, *_ in calls]
+    assert {(mask is not None, resolve(cuda_q, mask, *rest)[0])
+            for cuda_q, (_, mask, *rest) in zip(on_cuda, calls)} == AUTO_ON_CUDA[arch]
+    assert {resolve(*call)[0] for call in calls} == {"reference"}

@@ -155,7 +155,7 @@ def test_decode_step_with_validated_groups_without_nan_checks_never_waits_for_th
     k_len = 300
     q = torch.randn(1, 8, 1, 64, device=DEVICE, dtype=BF16)
     k, v = (torch.randn(1, 2, k_len, 64, device=DEVICE, dtype=BF16) for _ in range(2))
-    ids = torch.randint(0, 8, (1, k_len, 2), device=DEVICE)
+    ids = random_groups(1, k_len, 8, 2).to(DEVICE)
     groups = FocusGroups.of(ids, 1, k_len, q.device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -1,14 +1,23 @@
 """Triton decode kernel of the hard Focus pattern: a few new queries against a long KV cache.
 
 Flash-decoding split-K (:mod:`sieve_attn.ops.split_k`): one program per (batch, KV head, chunk of keys, row block),
-K and V read once per KV head. A program streams its chunk in tiles of BLOCK_N keys: it loads the tile's group bit sets,
-builds the pair mask of its rows, and loads a K/V row only where some row attends that key. Each chunk leaves a
-partial (output, log-sum-exp) and a small second kernel merges the chunks by log-sum-exp.
+K and V read once per KV head. A program works in two passes over its chunk:
+
+1. Compaction: it streams the chunk's group bit sets in tiles of BLOCK_N keys, builds the pair mask of its rows and
+   appends the positions of the keys some row attends to its own list (int32, in a scratch buffer of
+   ``chunk_keys`` entries per program; in position order, so the pass writes each list entry once, through a
+   prefix sum of the tile's flags).
+2. Attention: it walks that list in tiles of BLOCK_N positions, gathers those K and V rows, recomputes each row's
+   exact pair mask from the positions, and runs the online softmax (both dots on full tiles of attended keys).
+
+Why two passes: v3 (one pass, measured on an H200) loaded K/V rows under the mask but still ran every tile of the
+chunk through both dots and the softmax. With K = 8 groups and two memberships a query attends about 3/8 of the
+cache, so 5/8 of the tiles' work was wasted and the step took 1.2x the time of dense decode at 128K
+(benchmarks/results/focus_h200/NOTES.md). The list makes the work, not just the bytes, follow the attended keys.
 
 Bytes read: 8 bytes of ``bits`` per cached token and KV head (repeats across heads are usually served by L2), plus
-the K and V rows of attended keys only: a masked-off row costs no memory traffic. Compute is not skipped: every tile
-still goes through both dots (skipping empty tiles with a branch measured slower on an H200, and with groups spread
-over the sequence few tiles are empty anyway).
+the K and V rows of attended keys only, each once per KV head; the lists (4 bytes per attended key, written and read
+back) stay in L2.
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ _NUM_WARPS, _NUM_STAGES = 4, 3
 
 @triton.jit
 def _focus_decode_chunk(
-    Q, K, V, BITS, O, LSE,
+    Q, K, V, BITS, KEYS, O, LSE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -37,25 +46,38 @@ def _focus_decode_chunk(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
 ):
-    """Grid (B * Hkv, chunks, row blocks). Writes the chunk's normalized output and log-sum-exp of each row to
-    O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (contiguous; chunks = 1 writes the final tensors)."""
+    """Grid (B * Hkv, chunks, row blocks). KEYS: int32 scratch, ``chunk_keys`` entries per program. Writes the
+    chunk's normalized output and log-sum-exp of each row to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks]
+    (contiguous; chunks = 1 writes the final tensors)."""
     b, kv_head, r, row_ok, q_pos, d, q, _, start, stop = program_rows(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
     bits_row = BITS + b * stride_bits_b
     q_bits = tl.load(bits_row + q_pos * stride_bits_t, mask=row_ok, other=0)
-    k_head = K + b * stride_kb + kv_head * stride_kh
-    v_head = V + b * stride_vb + kv_head * stride_vh
+    program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    keys = KEYS + program.to(tl.int64) * chunk_keys
 
-    acc, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
+    # Pass 1: the positions of the chunk's keys that some row attends, in position order.
+    count = 0
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        k_bits = tl.load(bits_row + n * stride_bits_t, mask=n < stop, other=0)
-        distance = q_pos[:, None] - n[None, :]
-        # Causal (distance >= 0) also drops the keys past the cache end: every query sits before k_len.
-        pair = row_ok[:, None] & (distance >= 0) & ((distance <= window) | ((q_bits[:, None] & k_bits[None, :]) != 0))
-        needed = tl.max(pair.to(tl.int32), axis=0) > 0  # [BLOCK_N]: some row of this program attends the key
-        k = tl.load(k_head + n[:, None] * stride_kt + d[None, :] * stride_kd, mask=needed[:, None], other=0.0)
-        v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=needed[:, None], other=0.0)
+        needed = tl.max(_pairs(n, n < stop, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window).to(tl.int32),
+                        axis=0) > 0
+        flags = needed.to(tl.int32)
+        tl.store(keys + count + tl.cumsum(flags, axis=0) - flags, n, mask=needed)
+        count += tl.sum(flags, axis=0)
+    tl.debug_barrier()  # the list is written by all of the program's threads and read by all of them
+
+    # Pass 2: the online softmax over the listed keys.
+    k_head = K + b * stride_kb + kv_head * stride_kh
+    v_head = V + b * stride_vb + kv_head * stride_vh
+    acc, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
+    for t0 in range(0, count, BLOCK_N):
+        listed = t0 + tl.arange(0, BLOCK_N) < count
+        # .cg: read from L2, where the other threads' stores of pass 1 went (not a stale L1 line).
+        n = tl.load(keys + t0 + tl.arange(0, BLOCK_N), mask=listed, other=0, cache_modifier=".cg")
+        pair = _pairs(n, listed, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window)
+        k = tl.load(k_head + n[:, None] * stride_kt + d[None, :] * stride_kd, mask=listed[:, None], other=0.0)
+        v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=listed[:, None], other=0.0)
         s = dot(q, tl.trans(k), NATIVE_DOT) * scale
         if SOFTCAP:
             s = softcap * tanh(s / softcap)
@@ -63,6 +85,17 @@ def _focus_decode_chunk(
 
     out, lse = softmax_finish(acc, l_i, m_i)
     store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM)
+
+
+@triton.jit
+def _pairs(n, key_ok, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window):
+    """[BLOCK_M, BLOCK_N] bool: which of the program's rows attend the keys at positions ``n`` [BLOCK_N] (those
+    with ``key_ok``): causal, and local (0 <= i - j <= window) or sharing a group."""
+    k_bits = tl.load(bits_row + n * stride_bits_t, mask=key_ok, other=0)
+    distance = q_pos[:, None] - n[None, :]
+    # Causal (distance >= 0) also drops the keys past the cache end: every query sits before k_len.
+    return (row_ok[:, None] & key_ok[None, :] & (distance >= 0)
+            & ((distance <= window) | ((q_bits[:, None] & k_bits[None, :]) != 0)))
 
 
 _INTERPRETED = is_interpreted(_focus_decode_chunk)
@@ -96,9 +129,11 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
     part_out, part_lse = (out, lse) if work.chunks == 1 else split_k.partials(q, work.chunks)
+    programs = batch * kv_heads * work.chunks * work.row_blocks
+    keys = torch.empty(programs * work.chunk_keys, dtype=torch.int32, device=q.device)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _focus_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
-            q, k, v, bits, part_out, part_lse,
+            q, k, v, bits, keys, part_out, part_lse,
             *q.stride(), *k.stride(), *v.stride(), *bits.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale,
             1.0 if softcap is None else softcap, work.chunk_keys, work.chunks,

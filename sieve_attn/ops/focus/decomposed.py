@@ -45,9 +45,6 @@ MASK_ELEMENTS = 2 ** 24
 # A block at least as long as the window reads under twice the window's keys per query; the cap bounds one block.
 MIN_BLOCK = 64
 MAX_BLOCK = 1024
-# Whether the CUDA op families passed tests/ops/test_focus_sdpa.py on a GPU: not yet (see sdpa_blocker). Those
-# tests set it while they run, so that on a GPU they check the CUDA paths that users are refused.
-CUDA_VERIFIED = False
 
 
 def sdpa_blocker(q: torch.Tensor, k: torch.Tensor, softcap, attn_mask) -> Optional[str]:
@@ -60,12 +57,6 @@ def sdpa_blocker(q: torch.Tensor, k: torch.Tensor, softcap, attn_mask) -> Option
         return f"the sdpa backend takes Tq == Tk (prefill, training), got Tq={q.shape[2]}, Tk={k.shape[2]}"
     if q.device.type not in ("cpu", "cuda"):
         return f"the sdpa backend takes CPU or CUDA tensors, got {q.device.type}"
-    if q.device.type == "cuda" and not CUDA_VERIFIED:
-        # Measured on the H200 (benchmarks/results/focus_h200/NOTES.md, v2): the CUDA backward failed its gradient
-        # gate at 8K and crashed at top-2, and 4 CUDA tests (forward and backward checked together) failed. Until
-        # they pass, no CUDA result of this backend is trusted.
-        return ("the sdpa backend is not verified on CUDA (its CUDA tests and gradient check failed on the H200); "
-                "use backend='triton'")
     return None
 
 

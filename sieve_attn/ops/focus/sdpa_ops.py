@@ -22,7 +22,7 @@ Families (schemas as in torch 2.11 and 2.13; tests/ops/test_focus_sdpa.py checks
 - ``cudnn``: ``_scaled_dot_product_cudnn_attention``; causal only here, GQA native.
 - ``flash``: ``_scaled_dot_product_flash_attention``; causal only, GQA native.
 - ``efficient``: ``_scaled_dot_product_efficient_attention``; causal or masked (additive bias). Its kernel takes no
-  GQA, so it runs once per query head of each KV head's group (a view of q); K and V are never copied.
+  GQA, so it runs once per query head, on views of that head and of its KV head; K and V are never copied.
 """
 from __future__ import annotations
 
@@ -106,51 +106,45 @@ def flash_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
 
 # ---------------------------------------------------------------------------------------------------- efficient (CUDA)
 
-def _query_groups(q: torch.Tensor, kv_heads: int) -> list[torch.Tensor]:
-    """The G = Hq // Hkv views [N, Hkv, M, ...] of q whose head j reads KV head j (query heads j*G + g)."""
-    grouped = q.unflatten(1, (kv_heads, q.shape[1] // kv_heads))
-    return [grouped[:, :, g] for g in range(grouped.shape[2])]
-
-
-def _interleave(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of :func:`_query_groups`: G tensors [N, Hkv, M, ...] -> [N, Hkv * G, M, ...]."""
-    return torch.stack(parts, dim=2).flatten(1, 2)
-
-
-def _efficient_bias(allowed, q, kv_heads):
-    if allowed is None:
-        return None
-    return additive_bias(allowed, q.dtype, _BIAS_ALIGN).expand(-1, kv_heads, -1, -1)
+def _head_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """For each query head h: views [N, 1, ...] of q's head h and of K and V's head h // (Hq // Hkv)."""
+    group = q.shape[1] // k.shape[1]
+    for h in range(q.shape[1]):
+        kv = h // group
+        yield q[:, h:h + 1], k[:, kv:kv + 1], v[:, kv:kv + 1]
 
 
 def efficient_forward(q, k, v, allowed, scale):
-    """One call per query head of a KV head's group; lse comes as [N, Hkv, M rounded up to 32]."""
-    bias, queries = _efficient_bias(allowed, q, k.shape[1]), q.shape[2]
+    """One call per query head, each with its KV head and the [N, 1, M, S] bias as it is (never expanded over
+    heads: with a head-broadcast bias the bfloat16 backward gave wrong gradients on an H200); lse comes as
+    [N, 1, M rounded up to 32] per call."""
+    bias, queries = None if allowed is None else additive_bias(allowed, q.dtype, _BIAS_ALIGN), q.shape[2]
     outs, lses, saved = [], [], []
-    for q_g in _query_groups(q, k.shape[1]):
+    for q_h, k_h, v_h in _head_views(q, k, v):
         out, lse, seed, offset = _ATEN._scaled_dot_product_efficient_attention(
-            q_g, k, v, bias, True, 0.0, allowed is None, scale=scale)
+            q_h, k_h, v_h, bias, True, 0.0, allowed is None, scale=scale)
         outs.append(out)
         lses.append(lse[..., :queries])
         saved.append((seed, offset))
-    return _interleave(outs), _interleave(lses), saved
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1), saved
 
 
 def efficient_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
-    bias, kv_heads, queries = _efficient_bias(allowed, q, k.shape[1]), k.shape[1], q.shape[2]
+    bias, queries = None if allowed is None else additive_bias(allowed, q.dtype, _BIAS_ALIGN), q.shape[2]
     padded = lse.new_zeros(*lse.shape[:2], -(-queries // _LSE_ALIGN) * _LSE_ALIGN)
     padded[..., :queries] = lse
-    # Contiguous copies of each head group's rows: what the forward returned had that layout.
-    parts = zip(*(map(torch.Tensor.contiguous, _query_groups(t, kv_heads)) for t in (q, grad_out, out, padded)),
-                saved)
-    dqs, dk, dv = [], 0, 0
-    for q_g, grad_g, out_g, lse_g, (seed, offset) in parts:
-        dq_g, dk_g, dv_g, _ = _ATEN._scaled_dot_product_efficient_attention_backward(
-            grad_g, q_g, k, v, bias, out_g, lse_g, seed, offset, 0.0, [True, True, True, False], allowed is None,
-            scale=scale)
-        dqs.append(dq_g)
-        dk, dv = dk + dk_g.float(), dv + dv_g.float()
-    return _interleave(dqs), dk.to(k.dtype), dv.to(v.dtype)
+    group = q.shape[1] // k.shape[1]
+    dqs, dk, dv = [], torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    for h, ((q_h, k_h, v_h), (seed, offset)) in enumerate(zip(_head_views(q, k, v), saved)):
+        rows = slice(h, h + 1)
+        # Contiguous copies of the head's rows: what the forward returned had that layout.
+        dq_h, dk_h, dv_h, _ = _ATEN._scaled_dot_product_efficient_attention_backward(
+            grad_out[:, rows].contiguous(), q_h, k_h, v_h, bias, out[:, rows].contiguous(),
+            padded[:, rows].contiguous(), seed, offset, 0.0, [True, True, True, False], allowed is None, scale=scale)
+        dqs.append(dq_h)
+        dk[:, h // group] += dk_h[:, 0].float()
+        dv[:, h // group] += dv_h[:, 0].float()
+    return torch.cat(dqs, dim=1), dk.to(k.dtype), dv.to(v.dtype)
 
 
 FAMILIES = {family.name: family for family in (

@@ -4,9 +4,10 @@ The zero-filled sparse q~ and k~ are ordinary dense tensors whose dot products a
 the shared coordinates, zero-overlap pairs scoring 0), so ``F.scaled_dot_product_attention(q~, k~, v)`` computes SFA
 with whichever dense kernel PyTorch picks (cuDNN or FlashAttention on GPUs). It runs at dense tensor-core speed and
 saves nothing from the sparsity: it is the fastest SFA where dense attention runs on tensor cores, and the yardstick
-the sparse FlashSFA kernels must beat there. Memory: q~ and k~ are one more copy of q and k, O(T x D); no T x T
-tensor unless the call brings one (``attn_mask``): a causal chunk with Tq < Tk passes PyTorch's lower-right causal
-bias, which its flash and memory-efficient kernels apply without a mask tensor.
+the sparse FlashSFA kernels must beat there; ``backend="auto"`` takes it on CUDA for every call it can compute (the
+H200 timings: :mod:`.attention`). Memory: q~ and k~ are one more copy of q and k, O(T x D); no T x T tensor unless
+the call brings one (``attn_mask``): a causal chunk with Tq < Tk passes PyTorch's lower-right causal bias, which its
+flash and memory-efficient kernels apply without a mask tensor.
 """
 from __future__ import annotations
 
@@ -21,15 +22,24 @@ from ..masked_sdpa import causal_mask, masked_sdpa
 from .codes import sparsify
 
 
-def check_sdpa_call(softcap: Optional[float], return_lse: bool) -> None:
-    """ValueError for what the sdpa backend cannot compute: PyTorch's attention has no logit softcap and does not
-    return the log-sum-exp."""
+NO_SOFTCAP = "PyTorch's scaled_dot_product_attention has no logit softcap"
+NO_LSE = "PyTorch's scaled_dot_product_attention does not return the log-sum-exp"
+
+
+def sdpa_blocker(softcap: Optional[float], return_lse: bool) -> Optional[str]:
+    """Why the sdpa backend cannot compute a call with these arguments, or None when it can (any device, dtype,
+    head dim and padding mask)."""
     if softcap is not None:
-        fail("softcap", "None with backend 'sdpa' (PyTorch's scaled_dot_product_attention has no logit softcap)",
-             softcap)
+        return NO_SOFTCAP
+    return NO_LSE if return_lse else None
+
+
+def check_sdpa_call(softcap: Optional[float], return_lse: bool) -> None:
+    """ValueError for what the sdpa backend cannot compute (:func:`sdpa_blocker`), naming the argument."""
+    if softcap is not None:
+        fail("softcap", f"None with backend 'sdpa' ({NO_SOFTCAP})", softcap)
     if return_lse:
-        fail("return_lse", "False with backend 'sdpa' (PyTorch's scaled_dot_product_attention does not return the "
-                           "log-sum-exp)", return_lse)
+        fail("return_lse", f"False with backend 'sdpa' ({NO_LSE})", return_lse)
 
 
 def sfa_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, topk: int, causal: bool, scale: float,
