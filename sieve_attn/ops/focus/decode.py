@@ -31,8 +31,10 @@ from .. import split_k
 from ..split_k import program_rows, store_rows
 from ..triton_common import dot, is_interpreted, softmax_finish, softmax_start, softmax_step, tanh
 
-# Warps and pipeline depth, measured on an H200 (D = 64, 128 and 256; 8 warps and 2 or 4 stages were slower).
-_NUM_WARPS, _NUM_STAGES = 4, 3
+# Warps and pipeline depth of the two-pass kernel, measured on an H200 at 128K cached tokens, GQA 32/8, D = 128, K = 8
+# (CUDA-graph replays; benchmarks/results/focus_h200/v5/focus_decode_probe_stdout.txt): 2 stages beat 3 (top-1
+# 0.088 vs 0.100 ms, top-2 0.139 vs 0.155); 8 warps, 32- and 128-key tiles and 16 programs per SM were slower.
+_NUM_WARPS, _NUM_STAGES = 4, 2
 
 
 @triton.jit
