@@ -5,7 +5,9 @@ Every configuration is one `sieve finetune` run (the same data, steps and learni
 --matching-weight differ) in its own folder under --out. A configuration whose result.json exists is not run again,
 and one interrupted after a checkpoint continues from it (--resume), so an interrupted sweep resumes. With
 --gpus 0,1 the runs are spread over the GPUs, one at a time per GPU. Writes sweep.json (one row per configuration:
-PPL before and after, seconds) and sweep.png (PPL after against lambda).
+PPL before and after, seconds, and the kept step of an early-stopped run) and sweep.png (PPL after against
+lambda). Early stopping (every run keeps its best weights on held-back training files) goes in the common
+arguments: ``-- ... --validate-every 50 --validation-windows 16``.
 
     python benchmarks/sfa_finetune_sweep.py --out runs/sfa_sweep --gpus 0 -- --context 1024 --steps 300
 """
@@ -70,7 +72,8 @@ def collect(names: list[str], out: Path) -> list[dict]:
         rows.append({"name": name, "method": result["method"], "topk": result["topk"],
                      "matching_weight": result["settings"]["matching_weight"] if result["method"] == "sfa" else None,
                      "ppl_before": result["ppl_before"], "ppl_after": result["ppl_after"],
-                     "tokens": result["tokens"], "seconds": result["seconds"], "settings": result["settings"]})
+                     "tokens": result["tokens"], "seconds": result["seconds"], "settings": result["settings"],
+                     "best_step": result.get("best_step")})
     dense = next((r["ppl_after"] for r in rows if r["method"] == "dense"), None)
     for row in rows:
         row["vs_dense_finetune"] = None if dense is None else row["ppl_after"] / dense
@@ -125,7 +128,8 @@ def main() -> int:
         plot(rows, args.out / "sweep.png")
     for row in rows:
         print(f"{row['name']:>10}  PPL {row['ppl_before']:9.3f} -> {row['ppl_after']:8.3f}  "
-              f"x dense fine-tune {row['vs_dense_finetune'] or float('nan'):.3f}  {row['seconds']} s")
+              f"x dense fine-tune {row['vs_dense_finetune'] or float('nan'):.3f}  {row['seconds']} s"
+              + ("" if row["best_step"] is None else f"  (best step {row['best_step']})"))
     return 0
 
 

@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SFA: steps over which top-k falls geometrically from the head dim to --topk (gradual "
                            "sparsification; 0: --topk from the start)")
     _train_args(tune, steps=100, lr=5e-5)
+    tune.add_argument("--validate-every", type=int, default=0,
+                      help="early stopping: every this many steps (and after the last) measure the loss on "
+                           "--validation-windows windows of training files held back from training, and end with "
+                           "the weights of the best measurement (0: off, the weights after the last step)")
+    tune.add_argument("--validation-windows", type=int, default=16,
+                      help="windows of held-back training files for --validate-every (16)")
     _eval_args(tune, windows=6)
     tune.add_argument("--out", type=Path, default=DEFAULT_OUT / "finetune", help="output folder (runs/finetune)")
 
@@ -289,6 +295,7 @@ def cmd_finetune(args) -> int:
     from .eval.perplexity import perplexity
     from .eval.report import environment, write_json
     from .train import distributed
+    from .data.text import hold_back, stdlib_split, text_files, token_windows
     from .train.finetune import FinetuneSettings, finetune
 
     started = time.time()
@@ -302,11 +309,16 @@ def cmd_finetune(args) -> int:
     runtime.place(model)  # an FSDP launch shards it here, so that every process can take part in evaluating it
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
-    windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
+    train_files = text_files(args.train_text) if args.train_text else stdlib_split()[0]
+    validation = None
+    if args.validate_every:
+        train_files, validation = hold_back(tokenizer, train_files, args.context, args.validation_windows)
+    windows = token_windows(tokenizer, train_files, args.context, args.steps * args.batch_size)
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
-                                micro_batch=args.micro_batch, topk_warmup=args.topk_warmup)
-    result = finetune(model, windows, args.out, settings, resume=args.resume)
+                                micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
+                                validate_every=args.validate_every)
+    result = finetune(model, windows, args.out, settings, validation=validation, resume=args.resume)
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:
         if args.method == "sfa":
@@ -314,11 +326,13 @@ def cmd_finetune(args) -> int:
         record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
                   "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
                   "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
-                  "history": result["history"], "seconds": round(time.time() - started),
-                  "environment": environment()}
+                  "history": result["history"], "validation_windows": 0 if validation is None else len(validation),
+                  "validations": result["validations"], "best_step": result["best_step"],
+                  "seconds": round(time.time() - started), "environment": environment()}
         write_json(record, args.out / "result.json")
+        kept = "" if result["best_step"] is None else f" (weights of step {result['best_step']}, the best validation)"
         print(f"{args.method}{'' if args.method == 'dense' else f' top-{args.topk}'}: held-out PPL "
-              f"{before['ppl']:.3f} before, {after['ppl']:.3f} after {args.steps} steps; "
+              f"{before['ppl']:.3f} before, {after['ppl']:.3f} after {args.steps} steps{kept}; "
               f"wrote {args.out / 'result.json'}")
     distributed.finish()
     return 0

@@ -30,3 +30,13 @@ def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend):
     if method == "sfa":
         config = json.loads((out / "adapter" / "adapter_config.json").read_text())
         assert config["sfa"]["backend"] == backend  # the adapter records the backend it was trained with
+
+
+@pytest.mark.slow
+def test_finetune_with_early_stopping_records_its_validations(tmp_path):
+    assert main(["finetune", "--method", "dense", "--context", "32", "--threads", "1", "--steps", "2",
+                 "--validate-every", "1", "--validation-windows", "2", "--eval-windows", "1", "--out",
+                 str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "result.json").read_text())
+    assert [step for step, _ in record["validations"]] == [1, 2] and record["best_step"] in (1, 2)
+    assert record["validation_windows"] == 2 and (tmp_path / "best.safetensors").is_file()

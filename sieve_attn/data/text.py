@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .._checks import check_int
+
 # Held out from training, by file. argparse.py is the file the dense baselines of DESIGN.md are quoted on.
 HELD_OUT_STDLIB = ("argparse.py", "typing.py", "tarfile.py", "subprocess.py", "pathlib.py", "inspect.py")
 # Prose, out of the training domain; present on Debian systems.
@@ -57,3 +59,19 @@ def token_windows(tokenizer, files, context: int, max_windows: int | None = None
     if count == 0:
         raise ValueError(f"text: expected at least {context} tokens, got {len(ids)}")
     return torch.tensor(ids[: count * context]).view(count, context)
+
+
+def hold_back(tokenizer, files, context: int, windows: int) -> tuple[list[Path], torch.Tensor]:
+    """Splits training text by file into (files to train on, validation windows [windows, context]): files are taken
+    from the end of ``files`` until their tokens fill ``windows`` windows, and are then not trained on (early
+    stopping must not select on text the model trains on, nor on the text it is finally scored on)."""
+    windows = check_int("validation_windows", windows, 1)
+    files = [Path(p) for p in files]
+    need, tokens, cut = windows * context, 0, len(files)
+    while tokens < need and cut > 0:
+        cut -= 1
+        tokens += len(tokenizer(files[cut].read_text(errors="replace"))["input_ids"]) + 1
+    if tokens < need or cut == 0:
+        raise ValueError(f"validation_windows: expected fewer windows than the training text holds "
+                         f"({windows} x {context} tokens leave no file to train on), got {windows}")
+    return files[:cut], token_windows(tokenizer, files[cut:], context, windows)

@@ -20,6 +20,8 @@ from ..integrations.transformers import LAYER_ATTR, head_dim, sfa_layers
 from . import distributed, loop
 
 WEIGHTS = "model.safetensors"
+# The weights after the best validation so far, while a validated fine-tune runs.
+BEST_WEIGHTS = "best.safetensors"
 # The module name activation checkpointing (torch's checkpoint_wrapper, which accelerate's FSDP2 routine applies)
 # inserts into parameter names; state dicts, and so the files written here, leave it out.
 _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
@@ -135,12 +137,9 @@ def _snapshot(model, optimizer, names: list[str]) -> dict:
 def _restore(model, optimizer, params: dict, state: dict) -> None:
     """Loads a checkpoint's full weights and optimizer state into ``model`` and ``optimizer``, each process taking
     its shards when FSDP2 shards them."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    check_tensors_fit("checkpoint", state["weights"], params, "weights of this model")
-    # strict=False: the checkpoint holds the trained weights, not the buffers or the Focus routers.
-    set_model_state_dict(model, dict(state["weights"]), options=StateDictOptions(full_state_dict=True, strict=False))
+    _load_full_weights(model, params, state["weights"], "checkpoint")
     names = dict(enumerate(params))
     set_optimizer_state_dict(model, optimizer, _renumber(state["optimizer"], names),
                              options=StateDictOptions(full_state_dict=True))
@@ -149,8 +148,41 @@ def _restore(model, optimizer, params: dict, state: dict) -> None:
         group.update({key: tuple(v) for key, v in group.items() if key != "params" and isinstance(v, list)})
 
 
+def _load_full_weights(model, params: dict, weights: dict, name: str) -> None:
+    """Loads full tensors of the trained weights into ``model`` (each process takes its shards under FSDP2);
+    ValueError naming ``name`` unless they fit ``params``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    check_tensors_fit(name, weights, params, "weights of this model")
+    # strict=False: the tensors are the trained weights, not the buffers or the Focus routers.
+    set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _validate(model, windows: torch.Tensor, layers: list) -> float:
+    """Mean next-token NLL of ``windows`` under the model as it is, without gradients, with every SFA layer at its
+    configured top-k (what the fine-tune converges to, also during a top-k warm-up) and no matching terms."""
+    from ..eval.perplexity import perplexity
+
+    state = [(layer.topk, layer.matching) for layer in layers]
+    for layer in layers:
+        layer.topk, layer.matching = layer.config.topk, False
+    try:
+        with torch.no_grad():
+            return perplexity(model, windows, progress=False)["nll"]
+    finally:
+        for layer, (topk, matching) in zip(layers, state):
+            layer.topk, layer.matching = topk, matching
+
+
+def _save_weights(model, names: list[str], path: Path, runtime) -> None:
+    """Writes the full trained weights to ``path`` (safetensors, atomically, by the main process); every process
+    must call it (FSDP2 gathers the shards)."""
+    tensors = {name: t.contiguous() for name, t in _weights(model, names).items()}
+    runtime.write(lambda: atomic_write(path, lambda tmp: save_file(tensors, tmp)))
+
+
 def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings | None = None, *,
-             resume: bool = False, progress: bool = True) -> dict:
+             validation: torch.Tensor | None = None, resume: bool = False, progress: bool = True) -> dict:
     """Trains every weight of ``model`` (plain, or composed with an SFAConfig) on token windows [N, T].
 
     AdamW (no weight decay), linear warm-up then cosine decay to a tenth (as retrofit); the model runs in eval mode
@@ -161,7 +193,15 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     keeps the gradients sharded). ``topk_warmup`` > 0 lowers SFA's top-k step by step from the head dim to its
     configured value (:func:`topk_at`; gradual sparsification); the layers keep the configured value afterwards.
     The weights go to ``out_dir/model.safetensors``.
-    Returns {"steps", "history": [(step, lm loss, matching term or None)], "weights"}.
+
+    Early stopping: with ``settings.validate_every`` > 0 and ``validation`` windows [M, T] (text the fine-tune does
+    not train on, and not the text it is finally scored on), the model's NLL on them is measured every
+    ``validate_every`` steps and after the last (:func:`_validate`: SFA at its configured top-k), the weights after
+    each new best go to ``out_dir/best.safetensors``, and at the end the model is left with the best ones (also in
+    ``model.safetensors``).
+
+    Returns {"steps", "history": [(step, lm loss, matching term or None)], "weights", "validations": [(step, NLL)],
+    "best_step" (None without validation)}.
 
     Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
     same arguments: each trains on its share of every global batch (``batch_size`` must be a multiple of the number of
@@ -172,6 +212,10 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     """
     settings = settings or FinetuneSettings()
     _check(windows, settings)
+    if settings.validate_every and (validation is None or validation.dim() != 2 or len(validation) == 0
+                                    or validation.shape[1] != windows.shape[1]):
+        fail("validation", f"token ids [M >= 1, {windows.shape[1]}] with validate_every > 0",
+             None if validation is None else tuple(validation.shape))
     runtime = distributed.runtime(settings.batch_size)
     # Placing first: FSDP2 replaces the parameters by sharded ones, and gathered ones that an evaluation left in
     # their place would take requires_grad with them when resharded.
@@ -183,18 +227,23 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     every_layer = list(sfa_layers(model))
     layers = every_layer if settings.matching_weight > 0 else []
     optimizer = torch.optim.AdamW(params.values(), lr=settings.lr, weight_decay=0.0)
+    out_dir = Path(out_dir)
+    save = partial(_save_weights, model, list(params), runtime=runtime)
+    validating = bool(settings.validate_every)
     job = loop.Job("finetune",
                    step=partial(_train_step, model, list(params.values()), optimizer, layers,
                                 settings.matching_weight, runtime),
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
                    restore=partial(_restore, model, optimizer, params),
-                   begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)))
+                   begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),
+                   validate=partial(_validate, model, validation, every_layer) if validating else None,
+                   keep_best=lambda step: save(out_dir / BEST_WEIGHTS))
     model.eval()
     for layer in layers:
         layer.matching = True
     try:
-        history = loop.run(job, windows, out_dir, settings, optimizer, runtime,
-                           device=next(model.parameters()).device, resume=resume, progress=progress)
+        history, validations = loop.run(job, windows, out_dir, settings, optimizer, runtime,
+                                        device=next(model.parameters()).device, resume=resume, progress=progress)
     finally:
         for layer in every_layer:
             layer.matching = False
@@ -202,10 +251,12 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
         _clear(layers)
         for p in params.values():
             p.requires_grad_(False)
-    weights = Path(out_dir) / WEIGHTS
-    tensors = {name: t.contiguous() for name, t in _weights(model, list(params)).items()}
-    runtime.write(lambda: atomic_write(weights, lambda tmp: save_file(tensors, tmp)))
-    return {"steps": settings.steps, "history": history, "weights": str(weights)}
+    best = loop.best_validation(validations)
+    if best is not None:
+        _load_full_weights(model, params, load_file(str(out_dir / BEST_WEIGHTS)), "best weights")
+    save(out_dir / WEIGHTS)
+    return {"steps": settings.steps, "history": history, "weights": str(out_dir / WEIGHTS),
+            "validations": validations, "best_step": None if best is None else best[0]}
 
 
 def load_weights(model, path) -> None:

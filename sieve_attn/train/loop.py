@@ -25,7 +25,8 @@ class TrainSettings:
     """What every training loop takes. ``micro_batch``: windows per forward and backward; each process's share of a
     global batch is cut into micro-batches of this size whose gradients add up before the one optimizer step
     (gradient accumulation: the memory of a small batch, the result of the whole one). None: the whole share at
-    once."""
+    once. ``validate_every``: steps between validations (and after the last step) for a job that validates (0:
+    none)."""
 
     steps: int = 100
     batch_size: int = 1
@@ -34,6 +35,7 @@ class TrainSettings:
     seed: int = 0
     checkpoint_every: int = 25
     micro_batch: int | None = None
+    validate_every: int = 0
 
 
 @dataclass
@@ -51,6 +53,11 @@ class Job:
       process calls it, with the whole checkpoint.
     - ``begin(step)``: called before 0-based step ``step`` (after the learning rate is set), for what else follows
       a schedule; a function of the step alone, so that resuming repeats it.
+    - ``validate()``: the model's loss on data it does not train on (lower is better), every
+      ``settings.validate_every`` steps; None for a job that has no validation data.
+    - ``keep_best(step)``: called after a validation that beats every earlier one, to keep the model as it is after
+      ``step`` steps (e.g. write its weights); it must be done when it returns (the checkpoint written next
+      records that step as the best).
     """
 
     name: str
@@ -58,6 +65,8 @@ class Job:
     snapshot: Callable[[], dict]
     restore: Callable[[dict], None]
     begin: Callable[[int], None] = lambda step: None
+    validate: Callable[[], float] | None = None
+    keep_best: Callable[[int], None] = lambda step: None
 
 
 def check_settings(windows: torch.Tensor, settings) -> None:
@@ -70,6 +79,7 @@ def check_settings(windows: torch.Tensor, settings) -> None:
     if settings.micro_batch is not None:
         check_int("micro_batch", settings.micro_batch, 1)
     check_int("warmup", settings.warmup, 0)
+    check_int("validate_every", settings.validate_every, 0)
     check_positive_float("lr", settings.lr)
     if windows.dim() != 2 or len(windows) == 0:
         fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
@@ -86,9 +96,10 @@ def micro_batch_size(settings, runtime) -> int:
 
 
 def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, *, device, resume: bool,
-        progress: bool) -> list[tuple]:
-    """Trains steps 0 .. ``settings.steps`` - 1 and returns the history: one tuple (step number from 1, *values of
-    ``job.step``) per step, from the checkpoint's first when resuming.
+        progress: bool) -> tuple[list[tuple], list[tuple]]:
+    """Trains steps 0 .. ``settings.steps`` - 1 and returns (history, validations): one tuple (step number from 1,
+    *values of ``job.step``) per step, and one (step number, ``job.validate()``) per validation, from the
+    checkpoint's first when resuming.
 
     Step s trains on the global batch of windows ``order[(s * batch_size + i) % N]`` for i < ``batch_size``, where
     ``order`` is a permutation of the N windows drawn from ``settings.seed``; ``runtime.share`` picks this process's
@@ -97,12 +108,16 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
     ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
     main process: {"step", **``job.snapshot()``, "history", "step_seconds" (this process's wall time of each
     step's forwards, backwards and update, checkpoint writing excluded; None for steps of a checkpoint written
-    without them), "settings"}. ``resume=True`` continues from that file
-    when it exists (every process reads it); the run then equals an uninterrupted one.
+    without them), "validations", "settings"}. With ``settings.validate_every`` > 0 the job validates after every
+    ``validate_every`` steps and after the last, before that step's checkpoint, and ``job.keep_best`` keeps the
+    model of each new best. ``resume=True`` continues from that file when it exists (every process reads it); the
+    run then equals an uninterrupted one.
     """
     micro = micro_batch_size(settings, runtime)
+    if settings.validate_every and job.validate is None:
+        fail("validate_every", f"0 for {job.name} without validation data", settings.validate_every)
     path = Path(out_dir) / CHECKPOINT
-    start, history, step_seconds = _resume(job, path) if resume else (0, [], [])
+    start, history, step_seconds, validations = _resume(job, path) if resume else (0, [], [], [])
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
     bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc=job.name,
                disable=not (progress and runtime.is_main))
@@ -116,20 +131,32 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
         values = job.step(batch.split(micro))  # host numbers: the step has finished on the device
         step_seconds.append(time.perf_counter() - started)
         history.append((step + 1, *values))
+        last = step + 1 == settings.steps
+        if settings.validate_every and ((step + 1) % settings.validate_every == 0 or last):
+            loss = job.validate()
+            if all(loss < earlier for _, earlier in validations):
+                job.keep_best(step + 1)
+            validations.append((step + 1, loss))
         bar.set_postfix(loss=f"{history[-1][1]:.3f}")
-        if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
+        if (step + 1) % settings.checkpoint_every == 0 or last:
             state = job.snapshot()
             runtime.write(lambda: save_checkpoint({"step": step + 1, **state, "history": history,
-                                                   "step_seconds": step_seconds, "settings": asdict(settings)},
-                                                  path))
-    return history
+                                                   "step_seconds": step_seconds, "validations": validations,
+                                                   "settings": asdict(settings)}, path))
+    return history, validations
 
 
-def _resume(job: Job, path: Path) -> tuple[int, list, list]:
-    """(first step to train, history so far, step seconds so far) from the checkpoint at ``path``, its state
-    restored; (0, [], []) without one."""
+def best_validation(validations: list[tuple]) -> tuple | None:
+    """The (step, loss) of the lowest validation loss (the earliest among equals), or None without validations."""
+    return min(validations, key=lambda entry: entry[1]) if validations else None
+
+
+def _resume(job: Job, path: Path) -> tuple[int, list, list, list]:
+    """(first step to train, history, step seconds and validations so far) from the checkpoint at ``path``, its
+    state restored; (0, [], [], []) without one."""
     state = load_checkpoint(path)
     if state is None:
-        return 0, [], []
+        return 0, [], [], []
     job.restore(state)
-    return state["step"], state["history"], state.get("step_seconds", [None] * state["step"])
+    return (state["step"], state["history"], state.get("step_seconds", [None] * state["step"]),
+            state.get("validations", []))

@@ -133,7 +133,7 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     for layer in focus_layers(model):
         layer.router.train()
     try:
-        history = loop.run(job, windows, out_dir, settings, optimizer, runtime,
+        history, _ = loop.run(job, windows, out_dir, settings, optimizer, runtime,
                            device=next(model.parameters()).device, resume=resume, progress=progress)
     finally:
         for layer in focus_layers(model):

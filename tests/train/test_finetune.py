@@ -162,3 +162,102 @@ def test_micro_batches_give_the_gradients_of_the_whole_batch():
     assert micro_values == pytest.approx(whole_values, rel=1e-6)
     for whole, micro in zip(whole_grads, micro_grads):
         torch.testing.assert_close(micro, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_early_stopping_ends_with_the_weights_of_the_best_validation(tmp_path, monkeypatch):
+    """Validation every 2 steps and after the last (step 5): the model ends with the weights it had at the lowest
+    validation loss (step 4 here, scripted), which best.safetensors and model.safetensors hold too."""
+    import sieve_attn.train.finetune as finetune_module
+
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    losses, seen = iter([3.0, 1.0, 2.0]), {}
+
+    def scripted(model_, windows, layers):
+        step = len(seen) * 2 + 2
+        seen[step] = {name: p.detach().clone() for name, p in model_.named_parameters()}
+        return next(losses)
+
+    monkeypatch.setattr(finetune_module, "_validate", scripted)
+    settings = FinetuneSettings(steps=5, lr=3e-3, warmup=1, batch_size=2, validate_every=2)
+    result = finetune(model, _windows(), tmp_path, settings, validation=random_ids(2, 24, seed=9), progress=False)
+    assert result["validations"] == [(2, 3.0), (4, 1.0), (5, 2.0)] and result["best_step"] == 4
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, seen[4][name], rtol=0, atol=0, msg=name)
+    best, final = load_file(str(tmp_path / "best.safetensors")), load_file(result["weights"])
+    assert list(best) == list(final) and all(torch.equal(best[name], final[name]) for name in best)
+    assert not torch.equal(seen[4]["model.norm.weight"], seen[2]["model.norm.weight"])  # the steps did train
+
+
+def test_validated_run_resumes_like_an_uninterrupted_one(tmp_path):
+    """Real validations (SFA at its configured top-k during a top-k warm-up): a run resumed after step 2 ends with
+    the same validations, best step and weights as an uninterrupted one."""
+    settings = FinetuneSettings(steps=4, lr=3e-2, warmup=1, batch_size=2, checkpoint_every=2, validate_every=1,
+                                topk_warmup=2)
+    validation = random_ids(2, 24, seed=9)
+    whole_model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    whole = finetune(whole_model, _windows(), tmp_path / "whole", settings, validation=validation, progress=False)
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path / "part",
+             FinetuneSettings(**{**settings.__dict__, "steps": 2}), validation=validation, progress=False)
+    resumed_model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    resumed = finetune(resumed_model, _windows(), tmp_path / "part", settings, validation=validation, resume=True,
+                       progress=False)
+    assert [s for s, _ in resumed["validations"]] == [1, 2, 3, 4] and resumed["best_step"] == whole["best_step"]
+    assert [v for _, v in resumed["validations"]] == pytest.approx([v for _, v in whole["validations"]], rel=1e-5)
+    for (name, a), b in zip(whole_model.named_parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_validation_scores_sfa_at_its_configured_topk_without_matching_terms():
+    """Mid warm-up (the layers at top-k 16, recording matching terms), a validation scores the model at its
+    configured top-k, records no matching term, and leaves the layers as they were."""
+    from sieve_attn.eval.perplexity import perplexity
+    from sieve_attn.integrations.transformers import sfa_layers
+    from sieve_attn.train.finetune import _validate
+
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    windows = random_ids(2, 24, seed=9)
+    layers = list(sfa_layers(model))
+    want = perplexity(model, windows, progress=False)["nll"]  # at the configured top-k 4
+    for layer in layers:
+        layer.topk, layer.matching = 16, True
+    model.requires_grad_(True)
+    assert _validate(model, windows, layers) == pytest.approx(want, rel=1e-6)
+    assert all(layer.topk == 16 and layer.matching and not layer.matching_terms for layer in layers)
+
+
+def test_validation_is_refused_without_windows_and_by_a_job_without_validation(tmp_path):
+    from sieve_attn.train.retrofit import RetrofitSettings, retrofit
+
+    with pytest.raises(ValueError, match="validation: expected token ids \\[M >= 1, 24\\]"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(validate_every=2))
+    with pytest.raises(ValueError, match="validation: expected"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(validate_every=2),
+                 validation=random_ids(2, 12))
+    with pytest.raises(ValueError, match="validate_every: expected an int in \\[0"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(validate_every=-1))
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=2, window=4))
+    with pytest.raises(ValueError, match="validate_every: expected 0 for retrofit without validation data"):
+        retrofit(model, _windows(), tmp_path / "r", RetrofitSettings(steps=1, validate_every=1), progress=False)
+
+
+def test_hold_back_takes_the_last_files_for_validation(tmp_path):
+    from sieve_attn.data.text import hold_back
+
+    class Chars:  # one token per character
+        eos_token_id = 0
+
+        def __call__(self, text):
+            return {"input_ids": [ord(c) for c in text]}
+
+    files = []
+    for name, size in (("a", 40), ("b", 30), ("c", 9), ("d", 9)):
+        files.append(tmp_path / name)
+        files[-1].write_text("x" * size)
+    train, validation = hold_back(Chars(), files, context=8, windows=2)  # c and d: 2 x (9 + 1 EOS) tokens
+    assert train == files[:2] and validation.shape == (2, 8)
+    train, _ = hold_back(Chars(), files, context=8, windows=3)
+    assert train == files[:1]
+    with pytest.raises(ValueError, match="validation_windows: expected fewer windows"):
+        hold_back(Chars(), files, context=8, windows=11)
+    with pytest.raises(ValueError, match="validation_windows: expected an int in \\[1"):
+        hold_back(Chars(), files, context=8, windows=0)

@@ -1,14 +1,14 @@
 """Device probe (not a library file): decode-kernel streaming at 128K, GQA 32/8, D=128, bf16, CUDA-graph replays.
 Focus decode with every key attended (window >= Tk) and with K=8 top-1/top-2 groups; SFA decode k=8/16 under a
 few split-K plans (BLOCK_N, warps, programs per SM). Prints ms and effective TB/s of the bytes each must read."""
-import json, os, sys, itertools
+import json, os, sys
 import torch
 import torch.nn.functional as F
 from sieve_attn import skip_nan_checks
 from sieve_attn.bench.timing import measure, graphed
 from sieve_attn.ops import split_k
 from sieve_attn.ops.focus import decode as fdec
-from sieve_attn.ops.focus.reference import group_bits, focus_attention_reference
+from sieve_attn.ops.focus.reference import group_bits
 from sieve_attn.ops.sfa import decode as sdec
 from sieve_attn.ops.sfa.cache import SFAKeyCache
 
