@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--topk", type=int, default=16, help="SFA: coordinates of q and k kept (16)")
     tune.add_argument("--sfa-backend", choices=SFA_BACKENDS, default="auto",
                       help="SFA: how the scores are computed (sfa_attention's backend): auto (on CUDA sdpa, the "
-                           "faster on the H200, or triton where the model caps logits; the reference on the CPU), "
+                           "faster on the H200, or triton where the model caps logits, or the reference for "
+                           "capped logits under a padding or sliding-window mask; the reference on the CPU), "
                            "reference, triton (FlashSFA) or sdpa (dense SDPA on the zero-filled codes: tensor-core "
                            "speed) (auto)")
     tune.add_argument("--matching-weight", type=float, default=1.0,
@@ -132,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     _train_args(tune, steps=100, lr=5e-5)
     tune.add_argument("--validate-every", type=int, default=0,
                       help="early stopping: every this many steps (and after the last) measure the loss on "
-                           "--validation-windows windows of training files held back from training, and end with "
-                           "the weights of the best measurement (0: off, the weights after the last step)")
+                           "--validation-windows windows of training files held back from training (the last files), "
+                           "keep the best weights in OUT/best-STEP.safetensors and end with them (0: off, the "
+                           "weights after the last step)")
     tune.add_argument("--validation-windows", type=int, default=16,
                       help="windows of held-back training files for --validate-every (16)")
     _eval_args(tune, windows=6)
@@ -292,10 +294,10 @@ def cmd_demo(args) -> int:
 
 def cmd_finetune(args) -> int:
     from . import SFAConfig, compose, save_adapter
+    from .data.text import hold_back, stdlib_split, text_files, token_windows
     from .eval.perplexity import perplexity
     from .eval.report import environment, write_json
     from .train import distributed
-    from .data.text import hold_back, stdlib_split, text_files, token_windows
     from .train.finetune import FinetuneSettings, finetune
 
     started = time.time()

@@ -37,6 +37,12 @@ def test_finetune_with_early_stopping_records_its_validations(tmp_path):
     assert main(["finetune", "--method", "dense", "--context", "32", "--threads", "1", "--steps", "2",
                  "--validate-every", "1", "--validation-windows", "2", "--eval-windows", "1", "--out",
                  str(tmp_path)]) == 0
+    from safetensors.torch import load_file
+
     record = json.loads((tmp_path / "result.json").read_text())
-    assert [step for step, _ in record["validations"]] == [1, 2] and record["best_step"] in (1, 2)
-    assert record["validation_windows"] == 2 and (tmp_path / "best.safetensors").is_file()
+    losses = [loss for _, loss in record["validations"]]
+    assert [step for step, _ in record["validations"]] == [1, 2] and record["validation_windows"] == 2
+    assert record["best_step"] == 1 + losses.index(min(losses))
+    best = load_file(str(tmp_path / f"best-{record['best_step']}.safetensors"))
+    final = load_file(str(tmp_path / "model.safetensors"))
+    assert best.keys() == final.keys() and all((best[name] == final[name]).all() for name in best)

@@ -70,8 +70,10 @@ def hold_back(tokenizer, files, context: int, windows: int) -> tuple[list[Path],
     need, tokens, cut = windows * context, 0, len(files)
     while tokens < need and cut > 0:
         cut -= 1
-        tokens += len(tokenizer(files[cut].read_text(errors="replace"))["input_ids"]) + 1
+        tokens += len(tokenizer(files[cut].read_text(errors="replace"))["input_ids"])
+        tokens += tokenizer.eos_token_id is not None  # token_windows joins files with it
     if tokens < need or cut == 0:
-        raise ValueError(f"validation_windows: expected fewer windows than the training text holds "
-                         f"({windows} x {context} tokens leave no file to train on), got {windows}")
+        raise ValueError(f"validation_windows: expected fewer windows than the training text holds, held back by "
+                         f"file ({windows} x {context} tokens leave none of its {len(files)} files to train on), "
+                         f"got {windows}")
     return files[:cut], token_windows(tokenizer, files[cut:], context, windows)

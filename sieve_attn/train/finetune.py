@@ -20,8 +20,8 @@ from ..integrations.transformers import LAYER_ATTR, head_dim, sfa_layers
 from . import distributed, loop
 
 WEIGHTS = "model.safetensors"
-# The weights after the best validation so far, while a validated fine-tune runs.
-BEST_WEIGHTS = "best.safetensors"
+# The weights after the best validation of a validated fine-tune, by step: "best-{step}.safetensors".
+BEST_WEIGHTS = "best-{}.safetensors"
 # The module name activation checkpointing (torch's checkpoint_wrapper, which accelerate's FSDP2 routine applies)
 # inserts into parameter names; state dicts, and so the files written here, leave it out.
 _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
@@ -134,11 +134,16 @@ def _snapshot(model, optimizer, names: list[str]) -> dict:
     return {"weights": weights, "optimizer": _renumber(optimizer_state, {name: i for i, name in enumerate(names)})}
 
 
-def _restore(model, optimizer, params: dict, state: dict) -> None:
+def _restore(model, optimizer, params: dict, best_dir: Path | None, state: dict) -> None:
     """Loads a checkpoint's full weights and optimizer state into ``model`` and ``optimizer``, each process taking
-    its shards when FSDP2 shards them."""
+    its shards when FSDP2 shards them. With ``best_dir`` (a validated run) the best weights the checkpoint's
+    validations name must be there: ValueError otherwise, before anything trains."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    best = loop.best_validation(state.get("validations", []))
+    if best_dir is not None and best is not None and not (best_dir / BEST_WEIGHTS.format(best[0])).is_file():
+        fail("checkpoint", f"{BEST_WEIGHTS.format(best[0])} beside it (the best weights its validations name; "
+                           f"copy it along, or resume with validate_every=0)", f"no such file in {best_dir}")
     _load_full_weights(model, params, state["weights"], "checkpoint")
     names = dict(enumerate(params))
     set_optimizer_state_dict(model, optimizer, _renumber(state["optimizer"], names),
@@ -159,19 +164,32 @@ def _load_full_weights(model, params: dict, weights: dict, name: str) -> None:
 
 
 def _validate(model, windows: torch.Tensor, layers: list) -> float:
-    """Mean next-token NLL of ``windows`` under the model as it is, without gradients, with every SFA layer at its
-    configured top-k (what the fine-tune converges to, also during a top-k warm-up) and no matching terms."""
+    """Mean next-token NLL of ``windows`` under the model as it is (``perplexity`` runs without gradients), with
+    every SFA layer at its configured top-k (what the fine-tune converges to, also during a top-k warm-up) and no
+    matching terms."""
     from ..eval.perplexity import perplexity
 
     state = [(layer.topk, layer.matching) for layer in layers]
     for layer in layers:
         layer.topk, layer.matching = layer.config.topk, False
     try:
-        with torch.no_grad():
-            return perplexity(model, windows, progress=False)["nll"]
+        return perplexity(model, windows, progress=False)["nll"]
     finally:
         for layer, (topk, matching) in zip(layers, state):
             layer.topk, layer.matching = topk, matching
+
+
+def _drop_superseded_bests(out_dir: Path, validations: list, runtime) -> None:
+    """Deletes the best-weights files other than the one of the best among ``validations`` (main process)."""
+    best = loop.best_validation(validations)
+    keep = None if best is None else BEST_WEIGHTS.format(best[0])
+
+    def drop():
+        for path in out_dir.glob(BEST_WEIGHTS.format("*")):
+            if path.name != keep:
+                path.unlink()
+
+    runtime.write(drop)
 
 
 def _save_weights(model, names: list[str], path: Path, runtime) -> None:
@@ -188,17 +206,21 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     AdamW (no weight decay), linear warm-up then cosine decay to a tenth (as retrofit); the model runs in eval mode
     (no dropout). With SFA layers and ``matching_weight`` > 0 the output-matching term is added. Every
     ``checkpoint_every`` steps and at the end ``out_dir/checkpoint.pt`` is written atomically (weights, optimizer,
-    step, history, step times); ``resume=True`` continues from it. ``micro_batch`` splits each process's share of a
-    batch into micro-batches whose gradients add up (under FSDP2 each micro-batch's backward reduce-scatters, which
-    keeps the gradients sharded). ``topk_warmup`` > 0 lowers SFA's top-k step by step from the head dim to its
-    configured value (:func:`topk_at`; gradual sparsification); the layers keep the configured value afterwards.
+    step, history, step times, validations); ``resume=True`` continues from it. ``micro_batch`` splits each
+    process's share of a batch into micro-batches whose gradients add up (under FSDP2 each micro-batch's backward
+    reduce-scatters, which keeps the gradients sharded). ``topk_warmup`` > 0 lowers SFA's top-k step by step from
+    the head dim to its configured value (:func:`topk_at`; gradual sparsification); the layers keep the configured
+    value afterwards.
     The weights go to ``out_dir/model.safetensors``.
 
     Early stopping: with ``settings.validate_every`` > 0 and ``validation`` windows [M, T] (text the fine-tune does
     not train on, and not the text it is finally scored on), the model's NLL on them is measured every
-    ``validate_every`` steps and after the last (:func:`_validate`: SFA at its configured top-k), the weights after
-    each new best go to ``out_dir/best.safetensors``, and at the end the model is left with the best ones (also in
-    ``model.safetensors``).
+    ``validate_every`` steps and after the last (:func:`_validate`: SFA at its configured top-k; the mean over
+    processes), the weights after each new best go to ``out_dir/best-{step}.safetensors`` (a file is deleted once a
+    checkpoint names a later best, so the one a checkpoint names survives a crash), the checkpoints record the
+    validations, and at the end the model is left with the best weights (also in ``model.safetensors``). A NaN
+    validation is never the best; with none better the model keeps its last weights. Every process validates on all
+    the windows (a sharded model needs every process for each forward).
 
     Returns {"steps", "history": [(step, lm loss, matching term or None)], "weights", "validations": [(step, NLL)],
     "best_step" (None without validation)}.
@@ -230,14 +252,17 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     out_dir = Path(out_dir)
     save = partial(_save_weights, model, list(params), runtime=runtime)
     validating = bool(settings.validate_every)
+    early_stopping = {} if not validating else dict(
+        validate=partial(_validate, model, validation, every_layer),
+        keep_best=lambda step: save(out_dir / BEST_WEIGHTS.format(step)),
+        checkpointed=partial(_drop_superseded_bests, out_dir, runtime=runtime))
     job = loop.Job("finetune",
                    step=partial(_train_step, model, list(params.values()), optimizer, layers,
                                 settings.matching_weight, runtime),
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
-                   restore=partial(_restore, model, optimizer, params),
+                   restore=partial(_restore, model, optimizer, params, out_dir if validating else None),
                    begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),
-                   validate=partial(_validate, model, validation, every_layer) if validating else None,
-                   keep_best=lambda step: save(out_dir / BEST_WEIGHTS))
+                   **early_stopping)
     model.eval()
     for layer in layers:
         layer.matching = True
@@ -253,7 +278,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
             p.requires_grad_(False)
     best = loop.best_validation(validations)
     if best is not None:
-        _load_full_weights(model, params, load_file(str(out_dir / BEST_WEIGHTS)), "best weights")
+        _load_full_weights(model, params, load_file(str(out_dir / BEST_WEIGHTS.format(best[0]))), "best weights")
     save(out_dir / WEIGHTS)
     return {"steps": settings.steps, "history": history, "weights": str(out_dir / WEIGHTS),
             "validations": validations, "best_step": None if best is None else best[0]}

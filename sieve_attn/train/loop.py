@@ -5,6 +5,7 @@ What differs between the two (what is trained, one optimizer step, what a checkp
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,9 +56,11 @@ class Job:
       a schedule; a function of the step alone, so that resuming repeats it.
     - ``validate()``: the model's loss on data it does not train on (lower is better), every
       ``settings.validate_every`` steps; None for a job that has no validation data.
-    - ``keep_best(step)``: called after a validation that beats every earlier one, to keep the model as it is after
-      ``step`` steps (e.g. write its weights); it must be done when it returns (the checkpoint written next
-      records that step as the best).
+    - ``keep_best(step)``: called on every process after a validation that beats every earlier one
+      (:func:`is_new_best`), to keep the model as it is after ``step`` steps, e.g. by writing its weights: done
+      when it returns. It must not destroy what an earlier best kept: the last checkpoint may still name that one.
+    - ``checkpointed(validations)``: called on every process once a checkpoint recording ``validations`` is on
+      disk, so that the job can let go of what only a superseded best needed.
     """
 
     name: str
@@ -67,6 +70,7 @@ class Job:
     begin: Callable[[int], None] = lambda step: None
     validate: Callable[[], float] | None = None
     keep_best: Callable[[int], None] = lambda step: None
+    checkpointed: Callable[[list], None] = lambda validations: None
 
 
 def check_settings(windows: torch.Tensor, settings) -> None:
@@ -118,6 +122,8 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
         fail("validate_every", f"0 for {job.name} without validation data", settings.validate_every)
     path = Path(out_dir) / CHECKPOINT
     start, history, step_seconds, validations = _resume(job, path) if resume else (0, [], [], [])
+    if not settings.validate_every:
+        validations = []  # a run resumed without validation keeps its last weights, whatever came before
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
     bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc=job.name,
                disable=not (progress and runtime.is_main))
@@ -133,8 +139,9 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
         history.append((step + 1, *values))
         last = step + 1 == settings.steps
         if settings.validate_every and ((step + 1) % settings.validate_every == 0 or last):
-            loss = job.validate()
-            if all(loss < earlier for _, earlier in validations):
+            # The mean over processes: every process must take the same branch, keep_best may be collective.
+            loss = runtime.mean(torch.tensor(job.validate(), device=device))
+            if is_new_best(loss, validations):
                 job.keep_best(step + 1)
             validations.append((step + 1, loss))
         bar.set_postfix(loss=f"{history[-1][1]:.3f}")
@@ -143,12 +150,23 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
             runtime.write(lambda: save_checkpoint({"step": step + 1, **state, "history": history,
                                                    "step_seconds": step_seconds, "validations": validations,
                                                    "settings": asdict(settings)}, path))
+            job.checkpointed(validations)
     return history, validations
 
 
+def is_new_best(loss: float, validations: list[tuple]) -> bool:
+    """Whether ``loss`` is below every earlier validation loss; a NaN loss never is, and NaN ones are not compared."""
+    return not math.isnan(loss) and all(loss < earlier for _, earlier in validations if not math.isnan(earlier))
+
+
 def best_validation(validations: list[tuple]) -> tuple | None:
-    """The (step, loss) of the lowest validation loss (the earliest among equals), or None without validations."""
-    return min(validations, key=lambda entry: entry[1]) if validations else None
+    """The (step, loss) that :func:`is_new_best` kept last: the lowest loss, the earliest among equals, NaN never;
+    None without one."""
+    kept = None
+    for step, loss in validations:
+        if is_new_best(loss, [] if kept is None else [kept]):
+            kept = (step, loss)
+    return kept
 
 
 def _resume(job: Job, path: Path) -> tuple[int, list, list, list]:

@@ -134,7 +134,7 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
         layer.router.train()
     try:
         history, _ = loop.run(job, windows, out_dir, settings, optimizer, runtime,
-                           device=next(model.parameters()).device, resume=resume, progress=progress)
+                              device=next(model.parameters()).device, resume=resume, progress=progress)
     finally:
         for layer in focus_layers(model):
             layer.router.eval()

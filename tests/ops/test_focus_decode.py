@@ -102,6 +102,25 @@ def test_matches_reference(case):
     assert max_error(lse, exact_lse) <= 2 * max_error(low_lse, exact_lse) + 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize("sms", [1, 3])
+def test_chunks_of_many_tiles_match_reference(sms, monkeypatch):
+    """Few programs (a GPU of 1 or 3 SMs, one program per SM): each chunk spans several key tiles, so the attended
+    positions of later tiles are appended after the earlier ones' in the program's list (at 128K on an H200 a chunk
+    holds about 16 tiles; the other tests plan one tile per chunk)."""
+    monkeypatch.setattr(split_k, "_DEFAULT_SMS", sms)
+    monkeypatch.setattr(split_k, "_PROGRAMS_PER_SM", 1)
+    torch.manual_seed(0)
+    q, k, v = make_inputs(1, 4, 2, 2, 600, 32, F32, strided=False)
+    groups = random_groups(1, 600, 8, 2).to(DEVICE)
+    work = split_k.plan(1, 4, 2, 2, 600, q.device)
+    assert work.chunk_keys >= 3 * split_k.BLOCK_N
+    kwargs = dict(window=5, causal=True, scale=32 ** -0.5, softcap=None)
+    exact, exact_lse = focus_attention_reference(q.double(), k.double(), v.double(), groups, **kwargs)
+    out, lse = focus_decode(q, k, v, group_bits(groups), window=5, scale=32 ** -0.5)
+    assert max_error(out, exact) < 1e-5 and max_error(lse, exact_lse) < 1e-5
+
+
 def test_split_fills_an_h200():
     """Batch 1, 8 KV heads, 128K keys: enough chunk programs for 132 SMs, each chunk a whole number of tiles."""
     work = split_k.plan(1, 32, 8, 1, 128 * 1024, torch.device("cpu"))  # the CPU plans for an H200's 132 SMs

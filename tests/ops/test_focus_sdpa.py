@@ -100,6 +100,7 @@ CASES = {
     "long-groups-bf16": (1, 2, 1, 150, 16, 2, 1, 40, True, None, BF16),
     "window0-bf16-top2": (1, 2, 2, 97, 64, 3, 2, 0, True, None, BF16),
     "mqa-top1-ids-past-63-bf16": (1, 4, 1, 77, 32, 5, 1, 9, True, None, BF16),
+    "gqa-top1-bf16": (1, 6, 2, 70, 32, 4, 1, 7, True, None, BF16),
 }
 # Group ids id * spread + offset: every third group empty; ids past 62 (no bit sets, the id-list path)
 SPREAD = {"gqa-top1-noncausal-empty-groups": 3}
@@ -203,12 +204,23 @@ def test_cuda_families_plumb_gqa_shapes(name, masked):
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
+def test_memory_efficient_calls_pair_each_query_head_with_its_kv_head():
+    """GQA 6/2: query heads 0-2 read KV head 0 and heads 3-5 KV head 1 (views, no copies)."""
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    views = list(sdpa_ops._head_views(q, k, v))
+    assert len(views) == 6
+    for h, (q_h, k_h, v_h) in enumerate(views):
+        assert q_h.shape == (2, 1, 5, 8) and k_h.shape == v_h.shape == (2, 1, 7, 8)
+        assert q_h.data_ptr() == q[:, h].data_ptr()
+        assert k_h.data_ptr() == k[:, h // 3].data_ptr() and v_h.data_ptr() == v[:, h // 3].data_ptr()
+
+
 needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA op families need a GPU")
 
 
 @needs_cuda
 @pytest.mark.parametrize("name", ["cudnn", "flash", "efficient"])
-@pytest.mark.parametrize("case", ["mha-top1", "long-groups-bf16", "mqa-top1-ids-past-63-bf16"])
+@pytest.mark.parametrize("case", ["mha-top1", "long-groups-bf16", "mqa-top1-ids-past-63-bf16", "gqa-top1-bf16"])
 def test_each_cuda_causal_family_matches_reference(name, case, monkeypatch):
     spec = CASES[case][:-1] + (BF16,)  # cuDNN and flash take 16-bit inputs only
     monkeypatch.setattr(decomposed, "causal_call", _only_family(sdpa_ops.FAMILIES[name]))

@@ -164,28 +164,98 @@ def test_micro_batches_give_the_gradients_of_the_whole_batch():
         torch.testing.assert_close(micro, whole, rtol=1e-5, atol=1e-7)
 
 
-def test_early_stopping_ends_with_the_weights_of_the_best_validation(tmp_path, monkeypatch):
-    """Validation every 2 steps and after the last (step 5): the model ends with the weights it had at the lowest
-    validation loss (step 4 here, scripted), which best.safetensors and model.safetensors hold too."""
+def _scripted_validation(monkeypatch, losses, weights):
+    """Replaces the validation by ``losses`` in turn (raising RuntimeError when they run out: a crash), recording
+    the model's parameters at each call in ``weights`` (a list)."""
     import sieve_attn.train.finetune as finetune_module
 
-    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
-    losses, seen = iter([3.0, 1.0, 2.0]), {}
+    losses = iter(losses)
 
-    def scripted(model_, windows, layers):
-        step = len(seen) * 2 + 2
-        seen[step] = {name: p.detach().clone() for name, p in model_.named_parameters()}
-        return next(losses)
+    def scripted(model, windows, layers):
+        weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        loss = next(losses, None)
+        if loss is None:
+            raise RuntimeError("crash")
+        return loss
 
     monkeypatch.setattr(finetune_module, "_validate", scripted)
+
+
+def _assert_weights(model, weights):
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, weights[name], rtol=0, atol=0, msg=name)
+
+
+def test_early_stopping_ends_with_the_weights_of_the_best_validation(tmp_path, monkeypatch):
+    """Validation every 2 steps and after the last (step 5): the model ends with the weights it had at the lowest
+    validation loss (step 4 here, scripted), which model.safetensors and the one best file left hold too."""
+    seen = []
+    _scripted_validation(monkeypatch, [3.0, 1.0, 2.0], seen)
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
     settings = FinetuneSettings(steps=5, lr=3e-3, warmup=1, batch_size=2, validate_every=2)
     result = finetune(model, _windows(), tmp_path, settings, validation=random_ids(2, 24, seed=9), progress=False)
     assert result["validations"] == [(2, 3.0), (4, 1.0), (5, 2.0)] and result["best_step"] == 4
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, seen[4][name], rtol=0, atol=0, msg=name)
-    best, final = load_file(str(tmp_path / "best.safetensors")), load_file(result["weights"])
+    _assert_weights(model, seen[1])
+    assert [p.name for p in tmp_path.glob("best-*")] == ["best-4.safetensors"]  # step 2's went at the last checkpoint
+    best, final = load_file(str(tmp_path / "best-4.safetensors")), load_file(result["weights"])
     assert list(best) == list(final) and all(torch.equal(best[name], final[name]) for name in best)
-    assert not torch.equal(seen[4]["model.norm.weight"], seen[2]["model.norm.weight"])  # the steps did train
+    assert not torch.equal(seen[1]["model.norm.weight"], seen[0]["model.norm.weight"])  # the steps did train
+
+
+def test_a_best_written_after_the_last_checkpoint_does_not_survive_a_crash(tmp_path, monkeypatch):
+    """Checkpoints at steps 2 and 4; the best of step 3 is written, then the run crashes at step 4's validation. The
+    resumed run replays step 3 with a worse loss (validations are not bit-reproducible on every device): it must end
+    with step 2's weights, the best its checkpoint names, not with the stale file of step 3."""
+    settings = FinetuneSettings(steps=6, lr=3e-3, warmup=1, batch_size=2, checkpoint_every=2, validate_every=1)
+    validation = random_ids(2, 24, seed=9)
+    first = []
+    _scripted_validation(monkeypatch, [5.0, 4.0, 3.0], first)
+    with pytest.raises(RuntimeError, match="crash"):
+        finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings,
+                 validation=validation, progress=False)
+    assert sorted(p.name for p in tmp_path.glob("best-*")) == ["best-2.safetensors", "best-3.safetensors"]
+    _scripted_validation(monkeypatch, [4.5, 4.2, 4.1, 4.05], [])
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    result = finetune(model, _windows(), tmp_path, settings, validation=validation, resume=True, progress=False)
+    assert result["best_step"] == 2 and [s for s, _ in result["validations"]] == [1, 2, 3, 4, 5, 6]
+    _assert_weights(model, first[1])
+    assert [p.name for p in tmp_path.glob("best-*")] == ["best-2.safetensors"]
+
+
+def test_resume_without_validation_keeps_the_last_weights_and_the_best_files(tmp_path, monkeypatch):
+    _scripted_validation(monkeypatch, [1.0, 2.0], [])
+    settings = FinetuneSettings(steps=2, lr=3e-3, warmup=1, batch_size=2, validate_every=1)
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings,
+             validation=random_ids(2, 24, seed=9), progress=False)
+    plain = FinetuneSettings(**{**settings.__dict__, "steps": 4, "validate_every": 0})
+    result = finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, plain,
+                      resume=True, progress=False)
+    assert result["best_step"] is None and result["validations"] == []
+    assert (tmp_path / "best-1.safetensors").is_file()
+    last, best = load_file(result["weights"]), load_file(str(tmp_path / "best-1.safetensors"))
+    assert not torch.equal(last["model.norm.weight"], best["model.norm.weight"])
+
+
+def test_resume_refuses_a_checkpoint_without_its_best_weights(tmp_path, monkeypatch):
+    _scripted_validation(monkeypatch, [1.0, 2.0, 3.0], [])
+    settings = FinetuneSettings(steps=2, lr=3e-3, warmup=1, batch_size=2, validate_every=1)
+    validation = random_ids(2, 24, seed=9)
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings,
+             validation=validation, progress=False)
+    (tmp_path / "best-1.safetensors").unlink()
+    with pytest.raises(ValueError, match="checkpoint: expected best-1.safetensors beside it"):
+        finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path,
+                 FinetuneSettings(**{**settings.__dict__, "steps": 3}), validation=validation, resume=True,
+                 progress=False)
+
+
+def test_nan_validations_are_never_the_best():
+    from sieve_attn.train.loop import best_validation, is_new_best
+
+    nan = float("nan")
+    assert not is_new_best(nan, []) and is_new_best(2.0, [(1, nan)]) and not is_new_best(2.0, [(1, 2.0)])
+    assert best_validation([(1, nan), (2, 3.0), (3, 1.0), (4, 1.0), (5, nan)]) == (3, 1.0)
+    assert best_validation([(1, nan)]) is None and best_validation([]) is None
 
 
 def test_validated_run_resumes_like_an_uninterrupted_one(tmp_path):
@@ -259,5 +329,10 @@ def test_hold_back_takes_the_last_files_for_validation(tmp_path):
     assert train == files[:1]
     with pytest.raises(ValueError, match="validation_windows: expected fewer windows"):
         hold_back(Chars(), files, context=8, windows=11)
+    Chars.eos_token_id = None  # no separator token: files hold only their own tokens
+    train, _ = hold_back(Chars(), files, context=8, windows=2)  # d alone (9 tokens) fills 1 window, c too
+    assert train == files[:2]
+    train, _ = hold_back(Chars(), files, context=8, windows=3)  # 27 tokens need b as well (9 + 9 = 18 < 24)
+    assert train == files[:1]
     with pytest.raises(ValueError, match="validation_windows: expected an int in \\[1"):
         hold_back(Chars(), files, context=8, windows=0)

@@ -8,7 +8,8 @@ K and V read once per KV head. A program works in two passes over its chunk:
    ``chunk_keys`` entries per program; in position order, so the pass writes each list entry once, through a
    prefix sum of the tile's flags).
 2. Attention: it walks that list in tiles of BLOCK_N positions, gathers those K and V rows, recomputes each row's
-   exact pair mask from the positions, and runs the online softmax (both dots on full tiles of attended keys).
+   exact pair mask from the positions, and runs the online softmax (both dots on tiles of attended keys, all full
+   but the last).
 
 Why two passes: v3 (one pass, measured on an H200) loaded K/V rows under the mask but still ran every tile of the
 chunk through both dots and the softmax. With K = 8 groups and two memberships a query attends about 3/8 of the
@@ -16,8 +17,8 @@ cache, so 5/8 of the tiles' work was wasted and the step took 1.2x the time of d
 (benchmarks/results/focus_h200/NOTES.md). The list makes the work, not just the bytes, follow the attended keys.
 
 Bytes read: 8 bytes of ``bits`` per cached token and KV head (repeats across heads are usually served by L2), plus
-the K and V rows of attended keys only, each once per KV head; the lists (4 bytes per attended key, written and read
-back) stay in L2.
+the K and V rows of attended keys only, each once per KV head and row block (one row block unless the KV head's
+query rows, G x Tq, exceed 64); the lists (4 bytes per attended key, written and read back) stay in L2.
 """
 from __future__ import annotations
 
@@ -61,13 +62,15 @@ def _focus_decode_chunk(
     # Pass 1: the positions of the chunk's keys that some row attends, in position order.
     count = 0
     for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
+        n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
         needed = tl.max(_pairs(n, n < stop, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window).to(tl.int32),
                         axis=0) > 0
         flags = needed.to(tl.int32)
-        tl.store(keys + count + tl.cumsum(flags, axis=0) - flags, n, mask=needed)
+        tl.store(keys + count + tl.cumsum(flags, axis=0) - flags, n.to(tl.int32), mask=needed)
         count += tl.sum(flags, axis=0)
-    tl.debug_barrier()  # the list is written by all of the program's threads and read by all of them
+    # The list is written by all of the program's threads and read by all of them: the barrier orders those global
+    # stores before the loads (bar.sync orders the CTA's memory accesses).
+    tl.debug_barrier()
 
     # Pass 2: the online softmax over the listed keys.
     k_head = K + b * stride_kb + kv_head * stride_kh
@@ -75,8 +78,8 @@ def _focus_decode_chunk(
     acc, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
     for t0 in range(0, count, BLOCK_N):
         listed = t0 + tl.arange(0, BLOCK_N) < count
-        # .cg: read from L2, where the other threads' stores of pass 1 went (not a stale L1 line).
-        n = tl.load(keys + t0 + tl.arange(0, BLOCK_N), mask=listed, other=0, cache_modifier=".cg")
+        # .cg (through L2, where pass 1 stored) as measured; int64 before the strides multiply the positions.
+        n = tl.load(keys + t0 + tl.arange(0, BLOCK_N), mask=listed, other=0, cache_modifier=".cg").to(tl.int64)
         pair = _pairs(n, listed, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window)
         k = tl.load(k_head + n[:, None] * stride_kt + d[None, :] * stride_kd, mask=listed[:, None], other=0.0)
         v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=listed[:, None], other=0.0)

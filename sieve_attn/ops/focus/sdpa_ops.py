@@ -135,7 +135,7 @@ def efficient_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
     padded[..., :queries] = lse
     group = q.shape[1] // k.shape[1]
     dqs, dk, dv = [], torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
-    for h, ((q_h, k_h, v_h), (seed, offset)) in enumerate(zip(_head_views(q, k, v), saved)):
+    for h, ((q_h, k_h, v_h), (seed, offset)) in enumerate(zip(_head_views(q, k, v), saved, strict=True)):
         rows = slice(h, h + 1)
         # Contiguous copies of the head's rows: what the forward returned had that layout.
         dq_h, dk_h, dv_h, _ = _ATEN._scaled_dot_product_efficient_attention_backward(
