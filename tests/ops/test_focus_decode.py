@@ -186,3 +186,13 @@ def test_decode_step_with_validated_groups_without_nan_checks_never_waits_for_th
     want, _ = focus_attention_reference(q.float(), k.float(), v.float(), ids, window=16, causal=True,
                                         scale=64 ** -0.5, softcap=None, attn_mask=None, out=None)
     torch.testing.assert_close(out.float(), want, rtol=0, atol=2e-2)
+
+
+def test_offsets_past_int32_are_refused():
+    """A K view whose offsets within one head pass 2**31 (e.g. a long [B, T, Hkv, D] buffer) is refused, not read
+    with wrapped offsets. Meta tensors: only shapes and strides are read before the kernel."""
+    q = torch.empty(1, 2, 1, 16, device="meta")
+    k = torch.empty_strided((1, 1, 3, 16), (2 ** 32, 2 ** 32, 2 ** 30, 1), device="meta")
+    bits = torch.empty(1, 3, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="k: expected strides whose offsets within one KV head fit int32"):
+        focus_decode(q, k, k, bits, window=1, scale=1.0)

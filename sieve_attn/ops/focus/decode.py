@@ -28,14 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._checks import fail
 from .. import split_k
 from ..split_k import program_rows, store_rows
 from ..triton_common import dot, is_interpreted, softmax_finish, softmax_start, softmax_step, tanh
 
-# Warps and pipeline depth of the two-pass kernel, measured on an H200 at 128K cached tokens, GQA 32/8, D = 128, K = 8
-# (CUDA-graph replays; benchmarks/results/focus_h200/v5/focus_decode_probe_stdout.txt): 2 stages beat 3 (top-1
-# 0.088 vs 0.100 ms, top-2 0.139 vs 0.155); 8 warps, 32- and 128-key tiles and 16 programs per SM were slower.
-_NUM_WARPS, _NUM_STAGES = 4, 2
+# Warps and pipeline depth of the two-pass kernel: the fastest that passed the gated bench on an H200 (v5: 128K,
+# GQA 32/8, D = 128, K = 8, CUDA graphs). A probe (benchmarks/results/focus_h200/v5/focus_decode_probe_stdout.txt,
+# random groups) had 2 stages faster (top-1 0.088 vs 0.100 ms), but the bench has not run 2 stages alone (NOTES v6);
+# 8 warps, 32- and 128-key tiles and 16 programs per SM were slower.
+_NUM_WARPS, _NUM_STAGES = 4, 3
 
 
 @triton.jit
@@ -62,11 +64,11 @@ def _focus_decode_chunk(
     # Pass 1: the positions of the chunk's keys that some row attends, in position order.
     count = 0
     for n0 in range(start, stop, BLOCK_N):
-        n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n = n0 + tl.arange(0, BLOCK_N)
         needed = tl.max(_pairs(n, n < stop, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window).to(tl.int32),
                         axis=0) > 0
         flags = needed.to(tl.int32)
-        tl.store(keys + count + tl.cumsum(flags, axis=0) - flags, n.to(tl.int32), mask=needed)
+        tl.store(keys + count + tl.cumsum(flags, axis=0) - flags, n, mask=needed)
         count += tl.sum(flags, axis=0)
     # The list is written by all of the program's threads and read by all of them: the barrier orders those global
     # stores before the loads (bar.sync orders the CTA's memory accesses).
@@ -78,8 +80,10 @@ def _focus_decode_chunk(
     acc, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
     for t0 in range(0, count, BLOCK_N):
         listed = t0 + tl.arange(0, BLOCK_N) < count
-        # .cg (through L2, where pass 1 stored) as measured; int64 before the strides multiply the positions.
-        n = tl.load(keys + t0 + tl.arange(0, BLOCK_N), mask=listed, other=0, cache_modifier=".cg").to(tl.int64)
+        # .cg: through L2, where pass 1 stored (the barrier already orders the stores before these loads). Positions
+        # times strides stay int32, which focus_decode checks: int64 offsets (with 2 stages) measured 12-22% slower
+        # (NOTES v6).
+        n = tl.load(keys + t0 + tl.arange(0, BLOCK_N), mask=listed, other=0, cache_modifier=".cg")
         pair = _pairs(n, listed, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window)
         k = tl.load(k_head + n[:, None] * stride_kt + d[None, :] * stride_kd, mask=listed[:, None], other=0.0)
         v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=listed[:, None], other=0.0)
@@ -113,7 +117,9 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
     Args:
         q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D] (the cache, new tokens included), Hq % Hkv == 0; query head h reads
             KV head h // (Hq // Hkv). One float dtype (float16, bfloat16 or float32), D in {16, 32, 64, 128, 256}, any
-            strides. Tq is small (decode steps); query i sits at key position Tk - Tq + i.
+            strides whose offsets within one head, (Tk - 1) * stride(2) + (D - 1) * stride(3), stay below 2**31
+            (the kernel's int32 offsets; ValueError otherwise). Tq is small (decode steps); query i sits at key
+            position Tk - Tq + i.
         bits: int64 [B, Tk], each token's group bit set (:func:`~sieve_attn.ops.focus.reference.group_bits`).
         window: key j is local to query i when 0 <= i - j <= window.
         scale: logits are scale * q.k in float32. softcap: logits become softcap * tanh(logit / softcap).
@@ -130,6 +136,11 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
     assert q_heads % kv_heads == 0 and 1 <= q_len <= k_len and head_dim in (16, 32, 64, 128, 256)
     assert k.dtype == v.dtype == q.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
     assert bits.dtype == torch.int64 and bits.shape == (batch, k_len)
+    for name, t in (("k", k), ("v", v)):
+        if (k_len - 1) * t.stride(2) + (head_dim - 1) * t.stride(3) >= 2 ** 31:
+            fail(name, "strides whose offsets within one KV head fit int32 ((Tk - 1) * stride(2) + (D - 1) * "
+                       "stride(3) < 2**31; a contiguous [B, Hkv, Tk, D] cache does up to 16M tokens at D = 128)",
+                 f"strides {t.stride()} at Tk = {k_len}")
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)

@@ -108,10 +108,7 @@ class SFAKeyCache:
     """KV cache of one layer with compressed keys: [B, Hkv, T, topk] (index, value) pairs per key, dense V.
 
     Storage: packed indices uint8 [B, Hkv, capacity, :func:`packed_bytes` (topk, D)] (:func:`pack_indices`), key
-    values [B, Hkv, capacity, topk] and V [B, Hkv, capacity, D] in ``dtype``. The codes are stored code-major (views
-    of [B, Hkv, bytes or topk, capacity] tensors, tokens contiguous): a decode kernel reading byte or value t of
-    consecutive keys reads consecutive addresses, where token-major storage would put them 14 or 32 bytes apart (at
-    D = 128, topk = 16), a memory transaction per key or two.
+    values [B, Hkv, capacity, topk] and V [B, Hkv, capacity, D] in ``dtype``.
 
     Args:
         batch, kv_heads, head_dim: B, Hkv and D of the keys and values it will hold.
@@ -140,12 +137,11 @@ class SFAKeyCache:
         self.device = self._v.device  # normalised ("cuda" -> "cuda:0"), to compare with the inputs' devices
 
     def _allocate(self, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Uninitialised (packed indices, key values, V) for ``capacity`` tokens; the codes code-major (class
-        docstring), seen token-major."""
-        heads = (self.batch, self.kv_heads)
-        return (torch.empty(*heads, self.packed_bytes, capacity, dtype=torch.uint8, device=device).transpose(2, 3),
-                torch.empty(*heads, self.topk, capacity, dtype=self.dtype, device=device).transpose(2, 3),
-                torch.empty(*heads, capacity, self.head_dim, dtype=self.dtype, device=device))
+        """Uninitialised (packed indices, key values, V) for ``capacity`` tokens."""
+        tokens = (self.batch, self.kv_heads, capacity)
+        return (torch.empty(*tokens, self.packed_bytes, dtype=torch.uint8, device=device),
+                torch.empty(*tokens, self.topk, dtype=self.dtype, device=device),
+                torch.empty(self.batch, self.kv_heads, capacity, self.head_dim, dtype=self.dtype, device=device))
 
     @property
     def capacity(self) -> int:
@@ -167,8 +163,8 @@ class SFAKeyCache:
 
     def packed_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the cached keys as stored: packed indices uint8 [B, Hkv, length, :attr:`packed_bytes`] (layout
-        in :func:`pack_indices`) and values [B, Hkv, length, topk], both with stride 1 along the tokens
-        (code-major); what a kernel reads. They alias the cache until it grows."""
+        in :func:`pack_indices`) and values [B, Hkv, length, topk]; what a kernel reads. They alias the cache until
+        it grows."""
         return self._packed[:, :, :self.length], self._values[:, :, :self.length]
 
     def values(self) -> torch.Tensor:

@@ -29,15 +29,17 @@ Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :fu
   46 warp instructions per token and KV head, 128 registers, no spills (the former densifying kernel: 13.5 KB of
   stack per thread at this shape).
 
-PREDICTION for token-major codes (H200, batch 1, 32 query / 8 KV heads, Tq = 1, 128K tokens, D = 128, topk = 16):
-bytes / 3.8 TB/s = 83 us; issue: 1.05M token-heads * 46 warp instructions over 132 SMs, 61-92 us at 2-3
-instructions per clock; about 0.095 ms in all. MEASURED (benchmarks/results/sfa_h200/NOTES.md, v4, CUDA graphs):
-0.172 ms (k = 8: 0.136 ms), against 0.138 ms for dense SDPA decode. Not counted then: L1 transactions. With
-token-major codes, byte or value t of a warp's 32 keys lay 14 or 32 bytes apart, 4 or 8 128-byte lines per load,
-and each row's warp repeated the loads: about 27 L1 wavefronts per token and KV head, 28M per step, about 108 us at
-one wavefront per SM and clock, the likely limit. The cache now stores codes code-major, one line per such load:
-about 8 wavefronts per token and KV head, most of them the q gathers. PREDICTION for that layout, not measured:
-back to the issue and byte bounds, 0.095-0.11 ms, 1.25-1.45x dense.
+PREDICTION, not measured (no GPU here), H200, batch 1, 32 query / 8 KV heads, Tq = 1, 128K tokens, D = 128, topk =
+16: bytes / 3.8 TB/s = 83 us. Issue: 1.05M token-heads * 46 warp instructions over 132 SMs is 363K per SM, 61 us
+at 3 instructions per clock (1.98 GHz), 92 us at 2, so the loop should stay just under memory-bound given enough
+instruction throughput (4 programs of 4 warps resident per SM at 128 registers; 1056 programs make two full
+waves; each keeps one 16 KiB V tile in flight through cp.async besides its code loads, about 76 KiB per SM, above
+the ~25 KiB that 3.8 TB/s at ~0.8 us latency needs). Fixed costs: the sparsifying launch, the main launch's ramp
+and tail and the merge, about 3 us each. Predicted total: about 0.095 ms (0.09 to 0.11 ms), against 0.139 ms
+measured for dense SDPA: 1.3x to 1.5x faster, short of or at the 1.5x target; the byte bound alone allows 1.68x.
+MEASURED (benchmarks/results/sfa_h200/NOTES.md, v4, CUDA graphs): 0.172 ms (k = 8: 0.136 ms), 1.8x the prediction.
+Storing the codes code-major, which cuts the memory lines of each per-code load from 4-8 to 1, measured slower
+(0.207 ms, v5), so those loads are not the limit; not profiled.
 """
 from __future__ import annotations
 
@@ -76,12 +78,13 @@ def _packed_index(key_bytes, key_ok, stride_byte, T: tl.constexpr, BITS: tl.cons
     one little-endian integer (:func:`.cache.pack_indices`), so it lies in bytes T * BITS // 8 .. ((T + 1) * BITS -
     1) // 8, known at compile time: at most 3 of them for BITS <= 16 (2 for BITS <= 8, the kernel's D <= 256).
 
-    Loads, per index: each of its bytes for the tile's keys. :class:`.cache.SFAKeyCache` stores the bytes
-    code-major (consecutive keys' byte s at consecutive addresses, ``stride_byte`` = the cache's capacity), so each
-    load reads BLOCK_N consecutive bytes; token-major storage put them 14 bytes apart (D = 128, topk = 16), four
-    128-byte lines per warp's load. A byte two neighbouring indices share is the same load (same address and mask),
-    which the compiler merges: the sm_90 TTIR at D = 128, topk = 16 has 14 byte loads per key, one per packed byte,
-    against 16 for byte-wide indices."""
+    Loads, per index: each of its bytes for the tile's keys, a gather at stride ``stride_byte`` whose BLOCK_N bytes
+    lie in the tile's BLOCK_N * ceil(TOPK * BITS / 8) packed bytes (64 * 14 = 896 at D = 128, topk = 16: seven
+    128-byte lines, read from memory once per tile, the later gathers hitting L1). A byte two neighbouring indices
+    share is the same load (same address and mask), which the compiler merges: the sm_90 TTIR at D = 128, topk = 16
+    has 14 byte loads per key, one per packed byte, against 16 for byte-wide indices. Loading the [BLOCK_N, bytes]
+    tile once instead would leave each index to extract its bytes from registers with a select and a sum over the
+    tile's columns, more work than these gathers."""
     tl.static_assert(BITS <= 16, "a packed index must span at most 3 bytes (int32 holds them)")
     FIRST: tl.constexpr = T * BITS // 8
     LAST: tl.constexpr = ((T + 1) * BITS - 1) // 8
