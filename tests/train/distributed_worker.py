@@ -65,12 +65,19 @@ def model_for(task: str, seed: int = 0) -> torch.nn.Module:
     return composed(router_seed=seed) if task == "retrofit" else tuned(seed)
 
 
+def validation() -> torch.Tensor:
+    """Windows a validated fine-tune (``validate_every`` in its settings) measures its loss on."""
+    return random_ids(3, 32, seed=13)
+
+
 def train(task: str, model, out, settings: dict, *, resume: bool = False) -> None:
-    """Trains ``model`` with ``task`` on ``windows()`` (without progress bars)."""
+    """Trains ``model`` with ``task`` on ``windows()`` (without progress bars); a fine-tune whose settings have
+    ``validate_every`` validates on ``validation()``."""
     if task == "retrofit":
         retrofit(model, windows(), out, RetrofitSettings(**settings), resume=resume, progress=False)
     else:
-        finetune(model, windows(), out, FinetuneSettings(**settings), resume=resume, progress=False)
+        finetune(model, windows(), out, FinetuneSettings(**settings), resume=resume, progress=False,
+                 validation=validation() if settings.get("validate_every") else None)
 
 
 def main() -> None:

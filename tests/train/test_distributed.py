@@ -237,6 +237,28 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, home, runs, t
         _assert_same_formats(folder, runs(task, 1))
 
 
+@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
+def test_early_stopping_on_two_processes_validates_and_keeps_the_best_like_one(tmp_path, home, mode):
+    """Validation every 2 steps: both processes take part in every validation and in writing each new best's
+    weights (FSDP2 gathers them from the shards), and the run ends as one process's: the same validations, the
+    same best step and best file, the same final weights."""
+    settings = {**SETTINGS["finetune"], "validate_every": 2}
+    with threads(1):
+        train("finetune", model_for("finetune"), tmp_path / "one", settings)
+    _ok(lambda: _launch(REPLICATED if mode == "replicated" else FSDP,
+                        [str(WORKER), str(tmp_path / "two"), json.dumps(settings), "--task", "finetune"], home))
+    got, want = (load_checkpoint(tmp_path / name / "checkpoint.pt")["validations"] for name in ("two", "one"))
+    assert [step for step, _ in got] == [step for step, _ in want] == [2, 4, 6]
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], rel=1e-5)
+    bests = [sorted(p.name for p in (tmp_path / name).glob("best-*")) for name in ("two", "one")]
+    assert bests[0] == bests[1] and len(bests[0]) == 1
+    for file in (bests[0][0], TRAINED["finetune"]):
+        a, b = _tensors(tmp_path / "two" / file), _tensors(tmp_path / "one" / file)
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=ATOL["finetune"], msg=name)
+
+
 @pytest.fixture(scope="module")
 def cli_model(tmp_path_factory) -> tuple[Path, Path]:
     """(model folder, training text): a tiny Llama with a word-level tokenizer of its 100-token vocabulary, and the
