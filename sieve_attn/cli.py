@@ -1,4 +1,5 @@
-"""The ``sieve`` command line: retrofit Focus onto a pretrained model, evaluate it, run the demo, benchmark."""
+"""The ``sieve`` command line: retrofit Focus onto a pretrained model, convert one to SFA by fine-tuning, evaluate
+them, run the demo, benchmark."""
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sieve",
         description="Sparse attention for pretrained transformers. Focus puts every token into learned groups; "
-                    "nearby tokens attend fully, distant ones only within their groups. Only a small router per "
-                    "layer is trained; the model's weights stay frozen. Every perplexity is measured causally.")
+                    "nearby tokens attend fully, distant ones only within their groups; retrofitting trains only a "
+                    "small router per layer, the model's weights stay frozen. SFA keeps the top-k coordinates of "
+                    "each query and key; `sieve finetune` converts a model to it by fine-tuning every weight. "
+                    "Every perplexity is measured causally.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="train a router on the default model briefly, then compare perplexities",
@@ -108,8 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(the mean squared difference between each layer's SFA output and its stop-gradient dense "
                     "output); --method dense fine-tunes the plain model on the same data, the baseline to compare "
                     "with. Held-out perplexity (causal) is measured before and after. Writes OUT/model.safetensors "
-                    "(the weights), OUT/adapter (the SFA config) and OUT/result.json; checkpoints atomically "
-                    "(--resume continues). Runs on several processes when started by `accelerate launch` or "
+                    "(the weights), OUT/adapter (the SFA config, for --method sfa) and OUT/result.json; checkpoints "
+                    "atomically (--resume continues). With --validate-every, early stopping: the loss on training "
+                    "files held back from training is measured as it trains, and the run ends with the weights of "
+                    "its best measurement (the held-out files stay for the final score). Runs on several processes "
+                    "when started by `accelerate launch` or "
                     "`torchrun`: each takes an equal share of every batch (--batch-size must be a multiple of the "
                     "number of processes) and gradients are averaged; the model is replicated (every process starts "
                     "from rank 0's weights), or sharded with an FSDP2 launch configuration (weights, gradients and "

@@ -11,7 +11,7 @@ def test_help_explains_finetune(capsys):
         build_parser().parse_args(["finetune", "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
-    assert "--matching-weight" in text
+    assert "--matching-weight" in text and "early stopping" in text and "--validation-windows" in text
     # Several processes: the split of each batch, and who evaluates and writes.
     assert "`accelerate launch`" in text and "--batch-size must be a multiple of the number of processes" in text
     assert "Every process computes the held-out perplexity" in text and "rank 0 alone prints it" in text

@@ -1,5 +1,6 @@
 """Fine-tuning the weights of a model: SFA conversion of a dense model (the paper's Eq. 8), or a plain dense
-fine-tune on the same data as its baseline.
+fine-tune on the same data as its baseline; optionally with early stopping on validation windows (the best weights
+kept in ``best-STEP.safetensors``, the run ending with them).
 
 Loss = LM loss + ``matching_weight`` * the mean over SFA layers of mean((O_sfa - stopgrad(O_dense))^2), where each
 layer's dense output is computed from the same q, k, v (:class:`~sieve_attn.nn.sfa_layer.SFALayer`). The paper does

@@ -1,5 +1,6 @@
 """The training loop retrofit and finetune share: the order of the windows, global batches split over processes,
-the learning-rate schedule, progress, atomic checkpoints and resuming from them.
+the learning-rate schedule, progress, atomic checkpoints and resuming from them, and validation for early stopping
+(a job that validates keeps its best model).
 
 What differs between the two (what is trained, one optimizer step, what a checkpoint holds) comes in a :class:`Job`.
 """

@@ -7,8 +7,9 @@ Backends of the hard pattern (:func:`focus_attention`):
   few new queries against a cache; forward and backward.
 - ``"sdpa"``: the decomposition (:mod:`.decomposed`): tokens sorted by group, one batched causal SDPA-family call
   (cuDNN first) for the same-group pairs, masked calls for the cross-group window pairs, merged by log-sum-exp;
-  Tq == Tk, no softcap or attn_mask; forward and backward on the CPU. CUDA calls are refused: on the H200 its
-  CUDA backward failed the gradient gate and 4 of its CUDA tests failed (forward and backward checked together).
+  Tq == Tk, no softcap or attn_mask; forward and backward, exact on the CPU and on CUDA (its CUDA tests pass since
+  the memory-efficient calls take one query head at a time). Slower than the Triton kernels in every row timed on
+  the H200 (64K, K=8 top-1: 1.42x cuDNN against 3.38x; top-2: 0.03x against 0.73x).
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
@@ -32,8 +33,9 @@ from .flex import flex_blocker, focus_attention_flex
 from .groups import FocusGroups
 from .reference import focus_attention_reference, focus_pair_mask, focus_soft_attention_reference
 
-# Below this many keys, dense SDPA with the pattern as a mask beats the Triton kernels on the H200: 1.29 vs 1.9 ms
-# at 4K, 2.73 vs 1.80 ms at 8K (benchmarks/results/focus_h200/NOTES.md; the layout's fixed cost dominates there).
+# Below this many keys, dense SDPA with the pattern as a mask beat the Triton kernels on the H200 in v1: 1.29 vs
+# 1.9 ms at 4K, 2.73 vs 1.80 ms at 8K (benchmarks/results/focus_h200/NOTES.md; the layout's fixed cost dominated).
+# Not re-measured since the layout moved into Triton kernels.
 DENSE_BELOW = 8192
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16

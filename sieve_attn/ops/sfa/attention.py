@@ -9,8 +9,9 @@ Backends:
 ``"auto"`` on CUDA takes "sdpa" whenever it can compute the call (no softcap, no ``return_lse``), else the Triton
 kernels when they can, else the reference; on any other device (the CPU) it takes the reference (the interpreter is
 for tests only, and nothing was timed there). Why, measured on the H200 (bf16, H=8, D=128, causal;
-benchmarks/results/sfa_h200): forward at 64K, k=8, sdpa 16.46 ms against FlashSFA's 113.8 ms (dense cuDNN 14.7 ms);
-at 16K, k=16, 2.03 against 12.7 ms; forward+backward at 64K, k=8, 54.97 against 2228 ms. :func:`sfa_backend` says
+benchmarks/results/sfa_h200, NOTES v3, side by side in one session): forward at 64K, k=8, sdpa 16.46 ms against
+FlashSFA's 113.8 ms (dense cuDNN 14.7 ms); at 16K, k=16, 2.03 against 12.7 ms; forward+backward at 64K, k=8, 54.97
+against 2228 ms. :func:`sfa_backend` says
 which backend a call would use and why.
 """
 from __future__ import annotations

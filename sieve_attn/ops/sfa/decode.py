@@ -29,7 +29,7 @@ Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :fu
   46 warp instructions per token and KV head, 128 registers, no spills (the former densifying kernel: 13.5 KB of
   stack per thread at this shape).
 
-PREDICTION, not measured (no GPU here), H200, batch 1, 32 query / 8 KV heads, Tq = 1, 128K tokens, D = 128, topk =
+PREDICTION (made before the first GPU run), H200, batch 1, 32 query / 8 KV heads, Tq = 1, 128K tokens, D = 128, topk =
 16: bytes / 3.8 TB/s = 83 us. Issue: 1.05M token-heads * 46 warp instructions over 132 SMs is 363K per SM, 61 us
 at 3 instructions per clock (1.98 GHz), 92 us at 2, so the loop should stay just under memory-bound given enough
 instruction throughput (4 programs of 4 warps resident per SM at 128 registers; 1056 programs make two full

@@ -63,13 +63,16 @@ D = 64). The backward kernels are unchanged (no spills at D = 64 and 128, a few 
 In the Triton interpreter (CPU tests) 32 x 16, so short sequences span several query and key tiles, the causal
 diagonal and ragged last tiles.
 
-PREDICTION (not measured; no GPU was available for this version): 64K tokens, H = 8, d = 128, k = 8, bfloat16,
+PREDICTION (made before the first GPU run of this version): 64K tokens, H = 8, d = 128, k = 8, bfloat16,
 causal: 1.72e10 pair-heads (8 * 65536^2 / 2). The two dots, 2 * 128 MACs = 512 FLOP per pair, are 8.8e12 FLOP:
 14.7 ms at 600 TFLOP/s to 22.0 ms at 400 TFLOP/s. The selects, 16 per pair, are 2.75e11: 4.6 ms at 60 T-ops/s of
 CUDA-core issue (9.2 ms if a select costs a compare and a select). Not overlapped: about 19-27 ms (up to 31 ms with
 two-instruction selects), i.e. 34-48x the measured CUDA-core dense kernel (928 ms) and 0.49-0.68x SDPA-cuDNN
 (13.2 ms). Not counted: the softmax (also in cuDNN's time) and that Triton may lay the S dot of a 64-query tile over
 both warpgroups of 8 warps (wgmma layout [8, 1]), computing it twice (dots then 13.2e12 FLOP, 22-33 ms).
+MEASURED (benchmarks/results/sfa_h200/NOTES.md, v2): 113.5 ms, 8.08x the CUDA-core kernel but 0.12x SDPA-cuDNN,
+4-6x the prediction; the key-tile densification is the suspect (not profiled). ``sfa_attention``'s "auto" therefore
+takes the sdpa backend on CUDA, and these kernels serve what it cannot compute (softcap, log-sum-exp).
 """
 from __future__ import annotations
 
