@@ -149,13 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="eval_command", required=True,
                                                                          metavar="WHAT")
-    ppl = ev.add_parser("ppl", help="perplexity: dense, Focus soft and Focus hard top-k (all causal)",
+    ppl = ev.add_parser("ppl", help="perplexity: dense, Focus soft and Focus hard top-k, SFA (all causal)",
                         description="Scores non-overlapping windows of held-out text. Prints a table and writes "
-                                    "JSON with model, config, tokens, PPL and the fraction of attended pairs.")
+                                    "JSON with model, config, tokens, PPL and the fraction of attended pairs. "
+                                    "dense scores the model as loaded (with --weights: the fine-tuned weights); "
+                                    "soft and hard compose the Focus adapter; sfa composes an SFA adapter from "
+                                    "`sieve finetune` (with its --weights).")
     _model_args(ppl)
     _eval_args(ppl, windows=8)
-    ppl.add_argument("--adapter", type=Path, default=None, help="adapter folder from `sieve retrofit` (for soft/hard)")
-    ppl.add_argument("--modes", default="dense,soft,hard", help="comma list of dense, soft, hard")
+    ppl.add_argument("--adapter", type=Path, default=None,
+                     help="adapter folder from `sieve retrofit` (for soft/hard) or `sieve finetune --method sfa` "
+                          "(for sfa)")
+    ppl.add_argument("--weights", type=Path, default=None,
+                     help="model.safetensors from `sieve finetune`: the fine-tuned weights, loaded before scoring")
+    ppl.add_argument("--modes", default="dense,soft,hard", help="comma list of dense, soft, hard, sfa")
     ppl.add_argument("--top-k", type=int, default=None, help="override the adapter's inference top-k")
     ppl.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
 
@@ -246,27 +253,33 @@ def cmd_retrofit(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
-    from .eval.report import environment, evaluate_modes, format_table, write_json
+    from .eval.report import ALL_MODES, environment, evaluate_modes, format_table, write_json
     from .integrations.transformers import load_adapter, reconfigure
+    from .train.finetune import load_weights
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = sorted(set(modes) - {"dense", "soft", "hard"})
+    bad = sorted(set(modes) - set(ALL_MODES))
     if bad or not modes:
-        raise SystemExit(f"--modes: expected a comma list of dense, soft, hard, got {args.modes!r}")
+        raise SystemExit(f"--modes: expected a comma list of {', '.join(ALL_MODES)}, got {args.modes!r}")
     if any(m != "dense" for m in modes) and args.adapter is None:
-        raise SystemExit("--adapter: Focus modes need an adapter folder from `sieve retrofit`")
+        raise SystemExit("--adapter: soft and hard need an adapter folder from `sieve retrofit`, sfa one from "
+                         "`sieve finetune --method sfa`")
     model, tokenizer = _setup(args)
+    if args.weights is not None:
+        load_weights(model, args.weights)
     windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
-    config = None
+    focus_config = sfa_config = None
     if args.adapter is not None:
         load_adapter(model, args.adapter)
         if args.top_k is not None:
             reconfigure(model, top_k=args.top_k)
-        config = model.sieve_config.to_dict()
+        focus_config = None if model.sieve_config is None else model.sieve_config.to_dict()
+        sfa_config = None if model.sieve_sfa_config is None else model.sieve_sfa_config.to_dict()
         rows += evaluate_modes(model, windows, [m for m in modes if m != "dense"])
     print(format_table(rows))
-    record = {"model": args.model, "context": args.context, "windows": len(windows), "focus_config": config,
+    record = {"model": args.model, "context": args.context, "windows": len(windows), "focus_config": focus_config,
+              "sfa_config": sfa_config, "weights": None if args.weights is None else str(args.weights),
               "rows": rows, "environment": environment()}
     if args.json:
         print(f"wrote {write_json(record, args.json)}")

@@ -30,6 +30,13 @@ def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend):
     if method == "sfa":
         config = json.loads((out / "adapter" / "adapter_config.json").read_text())
         assert config["sfa"]["backend"] == backend  # the adapter records the backend it was trained with
+    # `sieve eval ppl` scores the fine-tuned model later: the same held-out windows give the same perplexity.
+    adapter = ["--adapter", str(out / "adapter"), "--modes", "sfa"] if method == "sfa" else ["--modes", "dense"]
+    assert main(["eval", "ppl", "--context", "32", "--threads", "1", "--eval-windows", "1", "--weights",
+                 str(out / "model.safetensors"), *adapter, "--json", str(out / "eval.json")]) == 0
+    evaluated = json.loads((out / "eval.json").read_text())
+    assert evaluated["rows"][0]["ppl"] == pytest.approx(record["ppl_after"], rel=1e-6)
+    assert (evaluated["sfa_config"] is None) == (method == "dense")
 
 
 @pytest.mark.slow
@@ -46,3 +53,20 @@ def test_finetune_with_early_stopping_records_its_validations(tmp_path):
     best = load_file(str(tmp_path / f"best-{record['best_step']}.safetensors"))
     final = load_file(str(tmp_path / "model.safetensors"))
     assert best.keys() == final.keys() and all((best[name] == final[name]).all() for name in best)
+
+
+def test_evaluate_modes_scores_each_kind_of_model_in_its_own_modes():
+    import sieve_attn as sa
+    from sieve_attn.eval.report import evaluate_modes
+    from tests.models import random_ids, tiny_model
+
+    windows = random_ids(1, 24)
+    sfa = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    assert [row["mode"] for row in evaluate_modes(sfa, windows, ["sfa"], progress=False)] == ["sfa"]
+    with pytest.raises(ValueError, match="modes: expected one of sfa for a model composed with SFA alone, got dense"):
+        evaluate_modes(sfa, windows, ["dense"], progress=False)
+    with pytest.raises(ValueError, match="modes: expected one of dense for a plain model, got sfa"):
+        evaluate_modes(tiny_model("llama"), windows, ["sfa"], progress=False)
+    focus = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=2, window=4))
+    with pytest.raises(ValueError, match="modes: expected one of dense, soft, hard for a model composed with Focus"):
+        evaluate_modes(focus, windows, ["sfa"], progress=False)

@@ -1,4 +1,4 @@
-"""Perplexity of a model densely and under Focus, as a table and a JSON record."""
+"""Perplexity of a model densely, under Focus and under SFA, as a table and a JSON record."""
 from __future__ import annotations
 
 import json
@@ -9,25 +9,31 @@ from pathlib import Path
 import torch
 
 from .._checks import fail
-from ..integrations.transformers import focus_layers, has_focus, set_focus_mode
+from ..integrations.transformers import focus_layers, has_focus, is_composed, set_focus_mode
 from .perplexity import perplexity
 
 MODES = ("dense", "soft", "hard")
+# Every mode a row can have: "sfa" is a model composed with SFA alone (with Focus, soft and hard include SFA).
+ALL_MODES = (*MODES, "sfa")
 
 
 def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int = 1,
                    progress: bool = True) -> list[dict]:
     """One PPL row per mode, in order. On a plain model only "dense" applies (the model's own attention); on a
-    model composed with Focus each mode is switched to in turn (soft and hard route causally), then the model is left in
-    the mode it had."""
+    model composed with SFA alone only "sfa" (its SFA attention); on a model composed with Focus each of dense, soft
+    and hard is switched to in turn (soft and hard route causally; with SFA composed too, they score through it),
+    then the model is left in the mode it had."""
     rows = []
     composed = has_focus(model)
+    allowed = MODES if composed else ("sfa",) if is_composed(model) else ("dense",)
     previous = model.sieve_config.mode if composed else None
     for mode in modes:
+        if mode not in allowed:
+            kind = ("a model composed with Focus" if composed else
+                    "a model composed with SFA alone" if allowed == ("sfa",) else "a plain model")
+            fail("modes", f"one of {', '.join(allowed)} for {kind}", mode)
         if composed:
             set_focus_mode(model, mode)
-        elif mode != "dense":
-            fail("modes", "only 'dense' for a model not composed with Focus", mode)
         rows.append({"mode": mode, **perplexity(model, windows, batch_size=batch_size, desc=mode, progress=progress)})
     if composed:
         set_focus_mode(model, previous)
