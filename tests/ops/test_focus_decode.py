@@ -196,3 +196,31 @@ def test_offsets_past_int32_are_refused():
     bits = torch.empty(1, 3, dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match="k: expected strides whose offsets within one KV head fit int32"):
         focus_decode(q, k, k, bits, window=1, scale=1.0)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="records the interpreter's stores")
+def test_each_program_lists_its_keys_in_its_own_scratch_slice(monkeypatch):
+    """The interpreter runs programs one after another, so a list shared between programs would still give right
+    outputs there; on a GPU they run at once. The int32 stores (the lists of attended positions, nothing else is
+    int32) of different programs must therefore hit disjoint address ranges, each within its program's slice of
+    ``chunk_keys`` entries."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    stores: dict = {}
+    store = InterpreterBuilder.create_masked_store
+
+    def recording_store(self, ptrs, value, mask, *args):
+        if value.data.dtype == numpy.int32:
+            stores.setdefault(tuple(self.grid_idx), []).append(ptrs.data[mask.data])
+        return store(self, ptrs, value, mask, *args)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_store", recording_store)
+    torch.manual_seed(0)
+    q, k, v = make_inputs(2, 4, 2, 1, 600, 32, F32, strided=False)
+    focus_decode(q, k, v, group_bits(random_groups(2, 600, 8, 1)), window=5, scale=1.0)
+    work = split_k.plan(2, 4, 2, 1, 600, q.device)
+    chunk_keys = work.chunk_keys
+    spans = sorted((int(a.min()), int(a.max())) for a in (numpy.concatenate(s) for s in stores.values()))
+    assert len(spans) == 2 * 2 * work.chunks * work.row_blocks > 8  # every program found attended keys
+    for (low, high), (next_low, _) in zip(spans, spans[1:]):
+        assert high - low < 4 * chunk_keys and high < next_low
