@@ -206,11 +206,17 @@ def _setup(args):
     return load_model(args.model, device=args.device)
 
 
-def _windows(tokenizer, text, split: int, context: int, count):
-    from .data.text import stdlib_split, text_files, token_windows
+def _files(text, split: int) -> list:
+    """The files of ``text`` (a file or folder), or of the standard library's split (0 training, 1 held out)."""
+    from .data.text import stdlib_split, text_files
 
-    files = text_files(text) if text else stdlib_split()[split]
-    return token_windows(tokenizer, files, context, count)
+    return text_files(text) if text else stdlib_split()[split]
+
+
+def _windows(tokenizer, text, split: int, context: int, count):
+    from .data.text import token_windows
+
+    return token_windows(tokenizer, _files(text, split), context, count)
 
 
 def _focus_config(args):
@@ -313,7 +319,7 @@ def cmd_demo(args) -> int:
 
 def cmd_finetune(args) -> int:
     from . import SFAConfig, compose, save_adapter
-    from .data.text import hold_back, stdlib_split, text_files, token_windows
+    from .data.text import hold_back, token_windows
     from .eval.perplexity import perplexity
     from .eval.report import environment, write_json
     from .train import distributed
@@ -330,7 +336,7 @@ def cmd_finetune(args) -> int:
     runtime.place(model)  # an FSDP launch shards it here, so that every process can take part in evaluating it
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
-    train_files = text_files(args.train_text) if args.train_text else stdlib_split()[0]
+    train_files = _files(args.train_text, 0)
     validation = None
     if args.validate_every:
         train_files, validation = hold_back(tokenizer, train_files, args.context, args.validation_windows)

@@ -25,12 +25,15 @@ def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int
     then the model is left in the mode it had."""
     rows = []
     composed = has_focus(model)
-    allowed = MODES if composed else ("sfa",) if is_composed(model) else ("dense",)
+    if composed:
+        allowed, kind = MODES, "a model composed with Focus"
+    elif is_composed(model):
+        allowed, kind = ("sfa",), "a model composed with SFA alone"
+    else:
+        allowed, kind = ("dense",), "a plain model"
     previous = model.sieve_config.mode if composed else None
     for mode in modes:
         if mode not in allowed:
-            kind = ("a model composed with Focus" if composed else
-                    "a model composed with SFA alone" if allowed == ("sfa",) else "a plain model")
             fail("modes", f"one of {', '.join(allowed)} for {kind}", mode)
         if composed:
             set_focus_mode(model, mode)

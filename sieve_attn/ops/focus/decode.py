@@ -14,7 +14,8 @@ K and V read once per KV head. A program works in two passes over its chunk:
 Why two passes: v4 (one pass, measured on an H200) loaded K/V rows under the mask but still ran every tile of the
 chunk through both dots and the softmax. With K = 8 groups and two memberships a query attends about 3/8 of the
 cache, so 5/8 of the tiles' work was wasted and the step took 1.25x the time of dense decode at 128K (0.173 vs
-0.139 ms; benchmarks/results/focus_h200/NOTES.md). The list makes the work, not just the bytes, follow the attended keys.
+0.139 ms; benchmarks/results/focus_h200/NOTES.md). The list makes the work, not just the bytes, follow the attended
+keys.
 
 Bytes read: 8 bytes of ``bits`` per cached token and KV head (repeats across heads are usually served by L2), plus
 the K and V rows of attended keys only, each once per KV head and row block (one row block unless the KV head's
