@@ -24,7 +24,6 @@ import functools
 import json
 import math
 import platform
-import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import skip_nan_checks
+from .._provenance import git_commit
 from .timing import graphed, measure
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -546,17 +546,6 @@ def dense_cells(row: dict) -> list[str]:
 
 def gate_cell(correct: Optional[bool]) -> str:
     return {True: "ok", False: "FAIL", None: "-"}[correct]
-
-
-def git_commit() -> Optional[str]:
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout.strip() or None
 
 
 def environment(device: torch.device) -> dict:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
 from .._checks import fail
+from .._provenance import git_commit
 from ..integrations.transformers import focus_layers, has_focus, is_composed, set_focus_mode
 from .perplexity import perplexity
 
@@ -59,11 +59,7 @@ def format_table(rows: list[dict]) -> str:
 def environment() -> dict:
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = git_commit(short=True)
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
             "threads": torch.get_num_threads(), "commit": commit}

@@ -40,12 +40,17 @@ class Plan:
     chunks: int
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; an H200's count off CUDA."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
+
+
 def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device: torch.device) -> Plan:
     """About ``_PROGRAMS_PER_SM`` programs per SM in all, each chunk a whole number of BLOCK_N-key tiles."""
     rows = q_heads // kv_heads * q_len
     block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))  # tl.dot needs 16 rows
     row_blocks = triton.cdiv(rows, block_m)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
+    sms = sm_count(device)
     tiles = triton.cdiv(k_len, BLOCK_N)
     chunks = max(1, min(tiles, triton.cdiv(_PROGRAMS_PER_SM * sms, batch * kv_heads * row_blocks)))
     tiles_per_chunk = triton.cdiv(tiles, chunks)

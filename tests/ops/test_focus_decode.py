@@ -108,7 +108,7 @@ def test_chunks_of_many_tiles_match_reference(sms, monkeypatch):
     """Few programs (a GPU of 1 or 3 SMs, one program per SM): each chunk spans several key tiles, so the attended
     positions of later tiles are appended after the earlier ones' in the program's list (at 128K on an H200 a chunk
     holds about 16 tiles; the other tests plan one tile per chunk)."""
-    monkeypatch.setattr(split_k, "_DEFAULT_SMS", sms)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: sms)
     monkeypatch.setattr(split_k, "_PROGRAMS_PER_SM", 1)
     torch.manual_seed(0)
     q, k, v = make_inputs(1, 4, 2, 2, 600, 32, F32, strided=False)

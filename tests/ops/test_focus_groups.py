@@ -18,6 +18,22 @@ def test_extend_and_span_keep_ids_bits_and_group_count():
     assert joined.last(2).ids.tolist() == [[[3, -1], [0, 4]]] and joined.span(1, 3).bits.tolist() == [[4, 2]]
 
 
+@pytest.mark.parametrize("ids, has_bits", [(torch.tensor([[[0, 5], [62, -1]]]), True),
+                                           (torch.tensor([[[0, 5], [63, -1]]]), False)])
+def test_validation_reads_the_device_once(ids, has_bits, monkeypatch):
+    """One host read (the validation's), bit sets included: a second would stall the GPU again at every call."""
+    reads = []
+    for method in ("tolist", "item", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _f=original, _m=method: reads.append(_m)
+                            or _f(self, *a))
+    groups = FocusGroups.of(ids, 1, 2, "cpu")
+    monkeypatch.undo()
+    assert reads == ["tolist"] and (groups.bits is not None) == has_bits
+    if has_bits:
+        assert torch.equal(groups.bits, group_bits(ids))
+
+
 def test_validated_groups_are_not_validated_again_and_must_fit_the_call():
     q = torch.randn(1, 2, 4, 8)
     groups = FocusGroups.of(torch.tensor([[0, 1, 0, 1]]), 1, 4, "cpu")

@@ -122,6 +122,25 @@ def test_many_small_calls_match_reference(case, monkeypatch):
     check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
 
 
+@pytest.mark.parametrize("case", ["mha-top1", "gqa-top2-sink", "mqa-top2-noncausal", "long-groups-bf16",
+                                  "gqa-top1-noncausal-empty-groups", "gqa-top1-bf16", "one-group-window-past-end"])
+def test_window_kernel_in_the_decomposition_matches_reference(case, monkeypatch):
+    # On CUDA the window set runs as the Triton window kernel (CASES above take it there); here the interpreter
+    # runs it. One membership per token: it continues each query from the group set; several: merged partials.
+    WindowSet = pytest.importorskip("sieve_attn.ops.focus.triton_prefill").WindowSet
+    calls = []
+    window_forward = WindowSet.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("init") is not None)
+        return window_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(WindowSet, "forward", counted)
+    monkeypatch.setattr(decomposed, "window_kernel_serves", lambda q, groups: groups.bits is not None)
+    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
+    assert calls == [CASES[case][6] == 1]  # the one sdpa run: with init exactly when each token has one group
+
+
 def test_returns_lse_of_the_reference_and_writes_out():
     check_lse_and_out("sdpa")
 

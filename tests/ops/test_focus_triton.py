@@ -7,11 +7,14 @@ layout tiles, sub-tiles and key steps per group.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from sieve_attn.ops.focus import attention  # noqa: E402
 from sieve_attn.ops.focus.attention import focus_attention, focus_backend  # noqa: E402
 from sieve_attn.ops.focus.layout import group_layout, window_layout  # noqa: E402
 from sieve_attn.ops.focus.reference import group_bits  # noqa: E402
@@ -57,6 +60,52 @@ def test_group_layout_sorts_pads_and_ranks_memberships():
     assert layout.tile_seg_start.tolist() == [0, 4, 8, 12] and layout.tile_seg_end.tolist() == [4, 8, 12, 16]
 
 
+def test_group_layout_with_one_group_per_token_bounds_the_slots_without_reading_the_device(monkeypatch):
+    """m = 1: no extra copies, and the slot count is an upper bound (10 tokens + 6 segments x 3 padding slots = 28),
+    so nothing is read back to the host; the tiles past the real slots are padding over empty segments."""
+    groups = torch.tensor([[[1], [0], [1], [1], [0]], [[2], [2], [0], [2], [2]]]).to(DEVICE)
+    bits = group_bits(groups)
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the layout read a device value on the host")
+
+    with monkeypatch.context() as patch:
+        for method in ("tolist", "item", "__int__", "__bool__"):
+            patch.setattr(torch.Tensor, method, no_host_read)
+        layout = group_layout(groups, bits, block=4, num_groups=3)
+    # sequence 0: group 0 holds tokens 1, 4, group 1 tokens 0, 2, 3; sequence 1: group 0 token 2, group 2 the rest
+    assert layout.slot_token.tolist() == [1, 4, -1, -1, 0, 2, 3, -1, 2, -1, -1, -1, 0, 1, 3, 4] + [-1] * 12
+    assert layout.num_extra == 0 and layout.slot_extra.tolist() == [-1] * 28
+    assert layout.tile_batch.tolist()[:4] == [0, 0, 1, 1] and layout.tile_lower.tolist()[:4] == [0, 1, 0, 3]
+    assert layout.tile_seg_start.tolist() == [0, 4, 8, 12, 16, 20, 24]
+    assert layout.tile_seg_end.tolist() == [4, 8, 12, 16, 16, 20, 24]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA notion")
+def test_prefill_with_one_group_per_token_never_waits_for_the_gpu():
+    """The Triton forward and backward of top-1 groups validated beforehand (as a composed model's routing is),
+    inside skip_nan_checks(): queued without one host synchronisation (torch's sync debug mode turns any into an
+    error)."""
+    from sieve_attn import skip_nan_checks
+    from sieve_attn.ops.focus.groups import FocusGroups
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 700, 64, generator=gen).to(DEVICE, BF16).requires_grad_() for _ in range(3))
+    ids = torch.randint(0, 5, (1, 700), generator=gen).to(DEVICE)
+    groups = FocusGroups.of(ids, 1, 700, q.device)
+    grad = torch.randn(q.shape, generator=gen).to(DEVICE, BF16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with skip_nan_checks():
+            out = focus_attention(q, k, v, groups, window=16, backend="triton")
+            out.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = focus_attention(q.detach(), k.detach(), v.detach(), ids, window=16, backend="reference")
+    torch.testing.assert_close(out.detach().float(), want.float(), rtol=0, atol=2e-2)
+
+
 def test_window_layout_pads_each_sequence():
     layout = window_layout(batch=2, length=10, block=4, device="cpu")
     assert layout.slot_token.tolist() == list(range(10)) + [-1, -1] + list(range(10)) + [-1, -1]
@@ -77,6 +126,26 @@ def test_explicit_triton_refuses_what_it_cannot_compute():
         focus_attention(q, q, q, groups + 63, backend="triton")
     with pytest.raises(ValueError, match="softcap: expected None with backend='dense'"):
         focus_attention(q, q, q, groups, backend="dense", softcap=3.0)
+
+
+def test_auto_takes_the_batched_group_call_for_long_groups_on_cuda():
+    """A CUDA stand-in (the dispatch reads shapes, devices and dtypes only): one group per token, causal, and at least
+    GROUP_CALL_FROM tokens per group go to the decomposition; shorter groups, top-2, non-causal calls and softcap
+    stay with the Triton kernels."""
+    def stand_in(length):
+        return SimpleNamespace(shape=(1, 8, length, 128), device=torch.device("cuda"), dtype=torch.bfloat16)
+
+    def pick(length, num_groups=8, memberships=1, causal=True, softcap=None):
+        return attention._resolve(stand_in(length), stand_in(length), num_groups, memberships, causal=causal,
+                                  softcap=softcap, attn_mask=None, backend="auto", return_lse=False)
+
+    long = attention.GROUP_CALL_FROM * 8
+    name, why = pick(long)
+    assert name == "sdpa" and "GROUP_CALL_FROM" in why
+    assert pick(long - 8)[0] == "triton"  # one token short of the threshold in each group
+    assert pick(long, memberships=2)[0] == "triton"
+    assert pick(long, causal=False)[0] == "triton"
+    assert pick(long, softcap=30.0)[0] == "triton"
 
 
 def test_auto_says_what_it_picks():

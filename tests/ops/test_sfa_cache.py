@@ -256,16 +256,16 @@ def test_kernel_unpacks_indices_wider_than_a_byte(head_dim, topk):
 @pytest.mark.parametrize("several_tiles", [False, True], ids=["gpu-split", "one-sm-split"])
 def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, several_tiles):
     """The CASES above give every chunk one BLOCK_N tile (few keys against the H200's 132 SMs). Planned for one SM
-    (interpreter only: on a GPU the plan reads the device), 700 keys split into 4 chunks of 3 tiles, the last
+    (on the GPU too: the test replaces the device's SM count), 700 keys split into 4 chunks of 3 tiles, the last
     chunk short and cut mid-tile, so the online softmax runs across tiles within a program; 2 query heads per KV
     head and 3 queries (the causal edge inside the last tile), D = 128, topk = 16, bfloat16."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     if several_tiles:
-        monkeypatch.setattr(split_k, "_DEFAULT_SMS", 1)
+        monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 3, 700, 128, 16
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE))
-    if several_tiles and DEVICE == "cpu":
+    if several_tiles:
         assert (work.chunks, work.chunk_keys) == (4, 3 * split_k.BLOCK_N)
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)

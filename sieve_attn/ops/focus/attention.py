@@ -6,16 +6,18 @@ Backends of the hard pattern (:func:`focus_attention`):
 - ``"triton"``: the pair-set kernels (:mod:`.triton_prefill`) for Tq == Tk, the decode kernel (:mod:`.decode`) for a
   few new queries against a cache; forward and backward.
 - ``"sdpa"``: the decomposition (:mod:`.decomposed`): tokens sorted by group, one batched causal SDPA-family call
-  (cuDNN first) for the same-group pairs, masked calls for the cross-group window pairs, merged by log-sum-exp;
-  Tq == Tk, no softcap or attn_mask; forward and backward, exact on the CPU and on CUDA (its CUDA tests pass since
-  the memory-efficient calls take one query head at a time). Slower than the Triton kernels in every row timed on
-  the H200 (64K, K=8 top-1: 1.42x cuDNN against 3.38x; top-2: 0.03x against 0.73x).
+  (cuDNN first) for the same-group pairs, masked calls with several memberships; the cross-group window pairs by
+  the Triton window kernel on CUDA (masked calls elsewhere); merged by log-sum-exp. Tq == Tk, no softcap or
+  attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token with long groups
+  (H200, 1M tokens, top-1: K=8 8.61x cuDNN against the Triton kernels' 6.92x, K=16 16.32x against 13.49x); slower
+  with short groups and with several memberships (top-2: 0.03-0.11x).
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
-``"auto"`` takes the Triton kernels on CUDA from ``DENSE_BELOW`` keys up and for decoding, ``"dense"`` on CUDA below
-that, and the reference elsewhere (never ``"sdpa"`` or ``"flex"``, which are only taken when asked for);
-:func:`focus_backend` says which one a call would use and why.
+``"auto"`` on CUDA takes ``"dense"`` below ``DENSE_BELOW`` keys, ``"sdpa"`` for causal prefill with one group per
+token and at least ``GROUP_CALL_FROM`` tokens per group, and the Triton kernels otherwise (decoding included); the
+reference elsewhere. It never takes ``"flex"``, which serves only when asked for. :func:`focus_backend` says which
+backend a call would use and why.
 """
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ from .reference import focus_attention_reference, focus_pair_mask, focus_soft_at
 # 1.9 ms at 4K, 2.73 vs 1.80 ms at 8K (benchmarks/results/focus_h200/NOTES.md; the layout's fixed cost dominated).
 # Not re-measured since the layout moved into Triton kernels.
 DENSE_BELOW = 8192
+# Tokens per group (T / K) from which auto takes the decomposition for one group per token, causal: its group set is
+# one batched cuDNN call, faster than the Triton group kernel on long groups. H200, v7 (forward, x cuDNN, sdpa vs
+# triton): 8K per group 2.06 vs 2.81x, 16K 9.78 vs 11.72x, 32K 6.64 vs 6.48x (fwd+bwd 5.53 vs 4.95x), 64K 16.32 vs
+# 13.49x, 128K 8.61 vs 6.92x.
+GROUP_CALL_FROM = 32768
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")
@@ -85,7 +92,7 @@ def focus_attention(
     window = check_int("window", window, 0)
     causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
     needs_grad = _needs_grad(q, k, v)
-    name, _ = _resolve(q, k, groups.num_groups, causal=causal, softcap=softcap, attn_mask=attn_mask, backend=backend,
+    name, _ = _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=causal, softcap=softcap, attn_mask=attn_mask, backend=backend,
                        return_lse=return_lse, needs_grad=needs_grad)
     if name == "reference":
         result, lse = focus_attention_reference(q, k, v, groups.ids, window=window, causal=causal, scale=scale,
@@ -123,7 +130,7 @@ def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, cau
     Raises ValueError when an explicitly requested backend cannot serve the call."""
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     needs_grad = _needs_grad(q, k, v)
-    return _resolve(q, k, groups.num_groups, causal=bool(causal), softcap=softcap, attn_mask=attn_mask, backend=backend,
+    return _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=bool(causal), softcap=softcap, attn_mask=attn_mask, backend=backend,
                     return_lse=return_lse, needs_grad=needs_grad)
 
 
@@ -141,9 +148,10 @@ def _triton_blocker(q, k, num_groups, causal, attn_mask) -> Optional[str]:
     return None
 
 
-def _resolve(q, k, num_groups, *, causal, softcap, attn_mask, backend, return_lse,
+def _resolve(q, k, num_groups, memberships, *, causal, softcap, attn_mask, backend, return_lse,
              needs_grad=False) -> tuple[str, str]:
-    """(backend, reason) for a call; ``needs_grad``: gradients will be asked of q, k or v."""
+    """(backend, reason) for a call with ``memberships`` group slots per token; ``needs_grad``: gradients will be
+    asked of q, k or v. Reads only the shapes, devices and dtypes of q and k (no GPU work, no host sync)."""
     check_choice("backend", backend, BACKENDS)
     if backend == "reference":
         return "reference", "requested"
@@ -175,6 +183,11 @@ def _resolve(q, k, num_groups, *, causal, softcap, attn_mask, backend, return_ls
         return "dense", f"{k.shape[2]} keys < DENSE_BELOW={DENSE_BELOW}: dense SDPA with the pattern mask is faster"
     if q.device.type != "cuda":
         return "reference", "not on a CUDA device"
+    group_length = k.shape[2] // max(num_groups, 1)
+    if (q.shape[2] == k.shape[2] and causal and memberships == 1 and group_length >= GROUP_CALL_FROM
+            and sdpa_blocker(q, k, softcap, attn_mask) is None):
+        return "sdpa", (f"one group per token, {group_length} tokens per group >= GROUP_CALL_FROM="
+                        f"{GROUP_CALL_FROM}: one batched cuDNN call for the groups is faster")
     return "triton", "decode step" if q.shape[2] < k.shape[2] else f"{k.shape[2]} keys >= DENSE_BELOW"
 
 

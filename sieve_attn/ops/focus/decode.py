@@ -34,11 +34,10 @@ from .. import split_k
 from ..split_k import program_rows, store_rows
 from ..triton_common import dot, is_interpreted, softmax_finish, softmax_start, softmax_step, tanh
 
-# Warps and pipeline depth of the two-pass kernel: the fastest that passed the gated bench on an H200 (v5: 128K,
-# GQA 32/8, D = 128, K = 8, CUDA graphs). A probe (benchmarks/results/focus_h200/v5/focus_decode_probe_stdout.txt,
-# random groups) had 2 stages faster (top-1 0.088 vs 0.100 ms), but the bench has not run 2 stages alone (NOTES v6);
-# 8 warps, 32- and 128-key tiles and 16 programs per SM were slower.
-_NUM_WARPS, _NUM_STAGES = 4, 3
+# Warps and pipeline depth of the two-pass kernel: the fastest that passed the gated bench on an H200 (128K, GQA 32/8,
+# D = 128, K = 8, CUDA graphs). v7 (benchmarks/results/focus_h200/v7): 2 stages against 3 in the same session, top-1
+# 0.088 vs 0.102 ms, top-2 0.127 vs 0.143 ms. 8 warps, 32- and 128-key tiles and 16 programs per SM were slower (v5).
+_NUM_WARPS, _NUM_STAGES = 4, 2
 
 
 @triton.jit

@@ -9,12 +9,17 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
     causality hides them; padded query rows are dropped.
   - Several memberships per token (the lowest-shared-group rule), or not causal (padded keys would be seen): masked
     calls over chunks of query slots (the memory-efficient kernel's additive bias on CUDA, the CPU op's attn_mask).
-- **Window set**: pairs with 0 <= i - j <= window whose tokens share no group, in position order. A query block of
-  P positions reads the keys from ``window`` positions before it to its own end, with a mask; blocks are batched
-  into calls of bounded size, so memory is O(T x (P + window)) at most, never T x T.
+- **Window set**: pairs with 0 <= i - j <= window whose tokens share no group, in position order.
+  - On CUDA (ids < 63, a head dim the kernels take): the Triton window kernel of :mod:`.triton_prefill`, one pass
+    over the local tiles. The SDPA kernels have no such pattern: as masked calls it cost more than the group set.
+  - Elsewhere: masked calls. A query block of P positions reads the keys from ``window`` positions before it to its
+    own end, with a mask; blocks are batched into calls of bounded size, so memory is O(T x (P + window)) at most,
+    never T x T.
 
 Together the sets are exactly the pattern, so merging their partial results (out, lse) by log-sum-exp, with those of
-a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite.
+a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite. With one
+membership per token and the window kernel, the merge costs no pass of its own: the kernel starts each query's
+softmax from its group-set partial.
 
 Backward (the FlashAttention-2 identity): given the final output O and log-sum-exp L of each query, a pair's gradient
 depends only on that pair: P_ij = exp(s_ij - L_i), dS_ij = P_ij (dO_i . v_j - dO_i . O_i). So each fused call's own
@@ -35,6 +40,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..merge import merge_partials
+from ..triton_common import kernel_blocker
 from .groups import FocusGroups
 from .sdpa_ops import causal_call, masked_family
 
@@ -65,7 +71,7 @@ def focus_attention_sdpa(q, k, v, groups: FocusGroups, *, window: int, causal: b
     :func:`sieve_attn.ops.focus.attention.focus_attention`, with Tq == Tk and :func:`sdpa_blocker` None.
 
     Returns (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32). Gradients flow to q, k, v (not through lse)."""
-    plan = _Plan(groups, q.shape, window=window, causal=causal, scale=scale, device=q.device)
+    plan = _Plan(groups, q, k, window=window, causal=causal, scale=scale)
     out, lse = PlanAttention.apply(q, k, v, plan)
     return out, lse.float()
 
@@ -252,6 +258,12 @@ class _WindowBlocks:
         total[:, :, b0 * self.block:b1 * self.block + self.reach].index_add_(2, index, spread.to(total.dtype))
 
 
+def window_kernel_serves(q: torch.Tensor, groups: FocusGroups) -> bool:
+    """Whether the window set runs as the Triton window kernel: on CUDA, for ids < 63 (bit sets) and a q the
+    kernels take (dtype, head dim)."""
+    return q.device.type == "cuda" and groups.bits is not None and kernel_blocker(q) is None
+
+
 def _clear_empty(out: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor):
     """Rows of a masked call with no allowed key get out 0 and lse -inf (kernels differ there: 0 and 0, or NaN)."""
     empty = ~allowed.any(-1)  # [N, 1, M]
@@ -264,15 +276,20 @@ class _Plan:
     """What the forward and backward of one call share: the sorted memberships, the window blocks, the settings,
     the causal call's family and what the fused calls saved for their backward ops."""
 
-    def __init__(self, groups: FocusGroups, shape, *, window: int, causal: bool, scale: float, device):
-        self.batch, self.length = shape[0], shape[2]
+    def __init__(self, groups: FocusGroups, q, k, *, window: int, causal: bool, scale: float):
+        self.batch, self.length = q.shape[0], q.shape[2]
         self.sorted = SortedGroups.of(groups.ids, groups.num_groups)
         self.sets = _TokenSets(groups)
         self.window, self.causal, self.scale = window, causal, scale
         # window 0: the window set is empty (a token always shares a group with itself)
         self.blocks = _WindowBlocks.of(self.batch, self.length, window) if window > 0 else None
+        self.window_kernel = None
+        if self.blocks and window_kernel_serves(q, groups):
+            from .triton_prefill import WindowSet  # it imports this module
+            self.window_kernel = WindowSet(groups.bits, groups.num_groups, self.batch, self.length, k.shape[1],
+                                           window, causal, scale, None, q.device)
         self.fast = causal and not self.sorted.multi
-        self.masked = masked_family(torch.device(device))
+        self.masked = masked_family(q.device)
         self.causal_family = None
         self.saved: dict = {}
 
@@ -282,8 +299,10 @@ class _Plan:
         """(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32, float64 for float64 inputs)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
         out_rows, lse_rows = self._group_forward(q, k, v)
-        base = self._window_forward(q, k, v) if self.blocks else None
         rows = self.sorted.batch * self.length + self.sorted.position
+        if self.window_kernel is not None and not self.sorted.multi:
+            return self._window_kernel_continues(q, k, v, out_rows, lse_rows, rows)
+        base = self._window_forward(q, k, v) if self.blocks else None
         out, lse = merge_partials(base, out_rows, lse_rows, rows, self.batch * self.length, dtype)
         out = out.unflatten(0, (self.batch, self.length)).transpose(1, 2).to(q.dtype).contiguous()
         return out, lse.unflatten(0, (self.batch, self.length)).transpose(1, 2).contiguous()
@@ -291,7 +310,9 @@ class _Plan:
     def backward(self, q, k, v, out, lse, grad_out):
         """(dq, dk, dv) in the inputs' dtypes, from the final out and lse of :meth:`forward`."""
         grads = self._group_backward(q, k, v, out, lse, grad_out)
-        if self.blocks:
+        if self.window_kernel is not None:
+            grads = [g + w for g, w in zip(grads, self.window_kernel.backward(q, k, v, out, lse, grad_out))]
+        elif self.blocks:
             grads = [g + w for g, w in zip(grads, self._window_backward(q, k, v, out, lse, grad_out))]
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
@@ -372,8 +393,20 @@ class _Plan:
         allowed = local.repeat(self.batch, 1, 1) & ~self.sets.shared(q_tok, k_tok)
         return allowed[:, None]
 
+    def _window_kernel_continues(self, q, k, v, out_rows, lse_rows, rows):
+        """(out, lse) of the pattern with one membership per token: the group set's partials (one per token, ``rows``
+        their flat token indices) put in token order, then the window kernel continues each query from there."""
+        count, heads = self.batch * self.length, out_rows.shape[1]
+        init_out = out_rows.new_empty(count, heads, out_rows.shape[2]).index_copy_(0, rows, out_rows)
+        init_lse = lse_rows.new_empty(count, heads, dtype=torch.float32).index_copy_(0, rows, lse_rows.float())
+        init_out, init_lse = (x.unflatten(0, (self.batch, self.length)).transpose(1, 2) for x in (init_out, init_lse))
+        return self.window_kernel.forward(q, k, v, init=(init_out, init_lse.contiguous()), out=torch.empty_like(q))
+
     def _window_forward(self, q, k, v):
         """Partial results of the window set per token: (out [B*T, Hq, D], lse [B*T, Hq])."""
+        if self.window_kernel is not None:
+            out, lse = self.window_kernel.forward(q, k, v)  # out: token-major memory, so these are views
+            return out.transpose(1, 2).flatten(0, 1), lse.transpose(1, 2).flatten(0, 1)
         blocks = self.blocks
         q_pad, k_pad, v_pad = blocks.pad_queries(q), blocks.pad_keys(k), blocks.pad_keys(v)
         outs, lses = [], []

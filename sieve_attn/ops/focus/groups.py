@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..._checks import fail
-from .reference import bit_sets, group_bits
+from .reference import bit_sets
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class FocusGroups:
                      f"B={groups.ids.shape[0]}, T={groups.ids.shape[1]} on {groups.ids.device}")
             return groups
         ids, num_groups = _checked_ids(groups, batch, length, device)
-        return cls(ids, group_bits(ids) if num_groups <= 63 else None, num_groups)
+        # num_groups is the largest id + 1, read by the validation's one sync: the bit sets need no second one
+        return cls(ids, bit_sets(ids) if num_groups <= 63 else None, num_groups)
 
     @classmethod
     def routed(cls, ids: torch.Tensor, num_groups: int) -> "FocusGroups":

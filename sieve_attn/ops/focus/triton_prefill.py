@@ -16,6 +16,9 @@ atomically in float32 (tokens are scattered in the group layout; the sum order i
 
 K and V are read per KV head (GQA, MQA) and never copied per query head; the sorted layout is read through
 token indices, so nothing is gathered into a copy either.
+
+:class:`WindowSet` runs the window set alone, for the decomposition backend (:mod:`.decomposed`), which computes
+the group set with SDPA calls.
 """
 from __future__ import annotations
 
@@ -184,14 +187,14 @@ def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, T
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     extra = tl.load(SLOT_EXTRA + q_slots)
-    if HAS_INIT:  # rank-0 copies continue from the window set's partial result
+    if HAS_INIT:  # rank-0 copies continue from the other pair set's partial result
         init_tok = tl.where(extra < 0, q_tok, -1)
         init_lse = tl.load(INIT_LSE + b * (num_heads * length) + head * length + tl.maximum(init_tok, 0),
                            mask=init_tok >= 0, other=float("-inf"))
         has = init_lse > float("-inf")
         m_i = tl.where(has, init_lse * 1.4426950408889634, m_i)
         l_i = tl.where(has, 1.0, l_i)
-        acc = _rows(INIT_O + b * s_ib + head * s_ih, tl.where(has, init_tok, -1), s_it, offs_d)
+        acc = _rows(INIT_O + b * s_ib + head * s_ih, tl.where(has, init_tok, -1), s_it, offs_d).to(tl.float32)
 
     lo, hi = _key_range(TILE_SEG_START, TILE_SEG_END, tile, q_start, window, BLOCK_M, BLOCK_N, WINDOW_SET, CAUSAL)
     if WINDOW_SET or not CAUSAL:
@@ -355,89 +358,125 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-class _Pattern:
-    """The two layouts and the settings shared by the forward and backward launches: the plan of a
-    :class:`~.decomposed.PlanAttention`."""
+class _Kernels:
+    """The settings every launch of one call shares, and the launches over one pair set's layout."""
 
-    def __init__(self, groups, bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device):
+    def __init__(self, bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device):
         self.tiles = tiling(device)
         self.kv_heads = kv_heads
         # With ids < 31 the bit sets fit 32-bit integers, whose masks cost half the instructions of 64-bit ones.
-        bits_dtype = torch.int32 if num_groups <= 31 else torch.int64
+        self.bits_dtype = torch.int32 if num_groups <= 31 else torch.int64
+        self.bits = bits.to(self.bits_dtype).contiguous()
         self.window_layout = window_layout(batch, length, self.tiles.layout, device)
-        self.group_layout = group_layout(groups, bits, self.tiles.layout, num_groups, bits_dtype)
-        self.bits = bits.to(bits_dtype).contiguous()
-        self.lower = {id(layout): layout.tile_lower.to(bits_dtype)
-                      for layout in (self.window_layout, self.group_layout)}
         self.window, self.causal, self.scale = window, causal, scale
         self.softcap = softcap
+
+    def _launch_forward(self, layout, window_set, multi, q, k, v, init, out, lse, extra=None):
+        """One forward pass over ``layout``'s tiles into ``out`` [B, Hq, T, D] (any strides) and ``lse`` [B, Hq, T]
+        (contiguous). ``init`` = (out, lse) of the same shapes, or None: each query's softmax starts from it (a query
+        with init lse -inf starts empty). ``extra`` = (out [E, Hq, D], lse [E, Hq]) float32 for the copies of rank
+        >= 1 (``multi``)."""
+        heads = q.shape[1]
+        if extra is None:
+            extra = (out.new_empty(1, heads, q.shape[3], dtype=torch.float32),
+                     lse.new_empty(1, heads, dtype=torch.float32))
+        init_out, init_lse = init if init is not None else (out, lse)  # unread without init
+        lower = layout.tile_lower.to(self.bits_dtype)
+        _fwd_kernel[(layout.num_tiles * self.tiles.layout // self.tiles.fwd_m, heads)](
+            q, k, v, self.bits, layout.slot_token, layout.slot_extra, layout.tile_batch, lower, layout.tile_seg_start,
+            layout.tile_seg_end, init_out, init_lse, out, lse, *extra, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(out), *_strides(init_out), *self._scalars(q), HAS_INIT=init is not None,
+            BLOCK_M=self.tiles.fwd_m, BLOCK_N=self.tiles.fwd_n, num_warps=self.tiles.fwd_warps,
+            num_stages=self.tiles.fwd_stages, **self._meta(q, window_set, multi))
+
+    def _launch_backward(self, layout, window_set, multi, q, k, v, grad_out, lse, delta, dq, dk, dv):
+        """Adds one pair set's share of the gradients into ``dq``, ``dk``, ``dv`` (float32, the shapes and strides of
+        the contiguous ``q``, ``k``, ``v``), given the final ``lse`` and ``delta`` = rowsum(dO * O), [B, Hq, T]."""
+        tiles = self.tiles
+        meta = dict(BLOCK=tiles.bwd, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
+                    **self._meta(q, window_set, multi))
+        tables = (self.bits, layout.slot_token, layout.tile_batch, layout.tile_lower.to(self.bits_dtype),
+                  layout.tile_seg_start, layout.tile_seg_end)
+        strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
+        programs = layout.num_tiles * tiles.layout // tiles.bwd
+        _bwd_dq_kernel[(programs, q.shape[1])](q, k, v, grad_out, lse, delta, dq, *tables, *strides,
+                                               *self._scalars(q), **meta)
+        _bwd_dkdv_kernel[(programs, k.shape[1])](q, k, v, grad_out, lse, delta, dk, dv, *tables, *strides,
+                                                 *self._scalars(q), **meta)
+
+    def _meta(self, q, window_set, multi):
+        return dict(GQA=q.shape[1] // self.kv_heads, HEAD_DIM=q.shape[3], LAYOUT=self.tiles.layout,
+                    WINDOW_SET=window_set, CAUSAL=self.causal, MULTI=multi, SOFTCAP=self.softcap is not None,
+                    NATIVE=q.dtype != torch.float32 and q.device.type == "cuda")
+
+    def _scalars(self, q):
+        return (self.bits.stride(0), q.shape[1], q.shape[2], self.window, self.scale, self.softcap or 1.0)
+
+
+def _backward_inputs(q, k, v, out, grad_out):
+    """Contiguous q, k, v, dO; delta = rowsum(dO * O) [B, Hq, T] float32; zero float32 dq, dk, dv."""
+    grad_out = grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
+    return (*(t.contiguous() for t in (q, k, v)), grad_out, delta, grads)
+
+
+class WindowSet(_Kernels):
+    """The window set alone (local pairs that share no group), for a backend that computes the group set otherwise
+    (:mod:`.decomposed` on CUDA). ``bits`` [B, T] are the tokens' group bit sets (ids < ``num_groups`` <= 63)."""
+
+    def forward(self, q, k, v, init=None, out=None):
+        """(out, lse [B, Hq, T] float32) over the window set; with ``init`` = (out, lse) of the group set, each query
+        continues its softmax from there, so the result is the whole pattern's. ``out`` [B, Hq, T, D] (any strides)
+        receives it: by default a float32 buffer laid out token-major ([B, T, Hq, D] in memory)."""
+        batch, heads, length, dim = q.shape
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        if out is None:
+            out = torch.empty(batch, length, heads, dim, dtype=torch.float32, device=q.device).transpose(1, 2)
+        lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
+        self._launch_forward(self.window_layout, True, False, q, k, v, init, out, lse)
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, grad_out):
+        """The window set's share of (dq, dk, dv), float32 [B, H, T, D], from the final ``out`` and ``lse``."""
+        q, k, v, grad_out, delta, grads = _backward_inputs(q, k, v, out, grad_out)
+        self._launch_backward(self.window_layout, True, False, q, k, v, grad_out, lse.contiguous(), delta, *grads)
+        return grads
+
+
+class _Pattern(_Kernels):
+    """Both pair sets: the plan of a :class:`~.decomposed.PlanAttention` for the Triton backend. Forward: the window
+    kernel writes a float32 partial, the group kernel continues from it and writes the output."""
+
+    def __init__(self, groups, bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device):
+        super().__init__(bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device)
+        self.group_layout = group_layout(groups, bits, self.tiles.layout, num_groups, self.bits_dtype)
         self.multi = self.group_layout.num_extra > 0
 
     def sets(self):
         """(layout, WINDOW_SET, MULTI) of the two pair sets, window first."""
         return ((self.window_layout, True, False), (self.group_layout, False, self.multi))
 
-    def meta(self, q, window_set, multi):
-        return dict(GQA=q.shape[1] // self.kv_heads, HEAD_DIM=q.shape[3], LAYOUT=self.tiles.layout,
-                    WINDOW_SET=window_set, CAUSAL=self.causal, MULTI=multi, SOFTCAP=self.softcap is not None,
-                    NATIVE=q.dtype != torch.float32 and q.device.type == "cuda")
-
-    def scalars(self, q):
-        return (self.bits.stride(0), q.shape[1], q.shape[2], self.window, self.scale, self.softcap or 1.0)
-
-    def tables(self, layout):
-        return (self.bits, layout.slot_token, layout.tile_batch, self.lower[id(layout)], layout.tile_seg_start,
-                layout.tile_seg_end)
-
     def forward(self, q, k, v):
-        return _forward(q, k, v, self)
+        batch, heads, length, dim = q.shape
+        grp = self.group_layout
+        partial = torch.empty(batch, heads, length, dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
+        self._launch_forward(self.window_layout, True, False, q, k, v, None, partial, partial_lse)
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
+        extra = (torch.empty(max(grp.num_extra, 1), heads, dim, dtype=torch.float32, device=q.device),
+                 torch.empty(max(grp.num_extra, 1), heads, dtype=torch.float32, device=q.device))
+        self._launch_forward(grp, False, self.multi, q, k, v, (partial, partial_lse), out, lse, extra)
+        if self.multi:
+            merge_extra_partials(out, lse, *extra, grp.extra_batch, grp.extra_token)
+        return out, lse
 
     def backward(self, q, k, v, out, lse, grad_out):
-        return _backward(q, k, v, out, lse, grad_out, self)
-
-
-def _forward(q, k, v, pattern: _Pattern):
-    batch, heads, length, dim = q.shape
-    tiles, grp = pattern.tiles, pattern.group_layout
-    partial = torch.empty(batch, heads, length, dim, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
-    extra_o = torch.empty(max(grp.num_extra, 1), heads, dim, dtype=torch.float32, device=q.device)
-    extra_lse = torch.empty(max(grp.num_extra, 1), heads, dtype=torch.float32, device=q.device)
-    common = (*_strides(q), *_strides(k), *_strides(v))
-    for (layout, window_set, multi), dest, dest_lse in zip(pattern.sets(), (partial, out), (partial_lse, lse)):
-        bits, slot_token, tile_batch, lower, seg_start, seg_end = pattern.tables(layout)
-        _fwd_kernel[(layout.num_tiles * tiles.layout // tiles.fwd_m, heads)](
-            q, k, v, bits, slot_token, layout.slot_extra, tile_batch, lower, seg_start, seg_end,
-            partial, partial_lse, dest, dest_lse, extra_o, extra_lse, *common, *_strides(dest), *_strides(partial),
-            *pattern.scalars(q), HAS_INIT=not window_set, BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n,
-            num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages, **pattern.meta(q, window_set, multi))
-    if pattern.multi:
-        merge_extra_partials(out, lse, extra_o, extra_lse, grp.extra_batch, grp.extra_token)
-    return out, lse
-
-
-def _backward(q, k, v, out, lse, grad_out, pattern: _Pattern):
-    tiles = pattern.tiles
-    grad_out = grad_out.contiguous()
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    qc, kc, vc = (t.contiguous() for t in (q, k, v))
-    strides = (*_strides(qc), *_strides(kc), *_strides(vc), *_strides(grad_out))
-    for layout, window_set, multi in pattern.sets():
-        meta = dict(BLOCK=tiles.bwd, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
-                    **pattern.meta(q, window_set, multi))
-        programs = layout.num_tiles * tiles.layout // tiles.bwd
-        _bwd_dq_kernel[(programs, q.shape[1])](
-            qc, kc, vc, grad_out, lse, delta, dq, *pattern.tables(layout),
-            *strides, *pattern.scalars(q), **meta)
-        _bwd_dkdv_kernel[(programs, k.shape[1])](
-            qc, kc, vc, grad_out, lse, delta, dk, dv, *pattern.tables(layout), *strides, *pattern.scalars(q),
-            **meta)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        q, k, v, grad_out, delta, grads = _backward_inputs(q, k, v, out, grad_out)
+        for layout, window_set, multi in self.sets():
+            self._launch_backward(layout, window_set, multi, q, k, v, grad_out, lse, delta, *grads)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
 def focus_attention_triton(q, k, v, groups, bits, *, num_groups, window, causal, scale, softcap=None):
