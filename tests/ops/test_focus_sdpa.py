@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sieve_attn.ops.focus.decomposed as decomposed
+from sieve_attn.ops import gather
 from sieve_attn.ops.focus import sdpa_ops
 from sieve_attn.ops.focus.attention import focus_attention, focus_backend
 from sieve_attn.ops.focus.decomposed import SortedGroups
@@ -125,8 +126,8 @@ def test_many_small_calls_match_reference(case, monkeypatch):
 @pytest.mark.parametrize("case", ["mha-top1", "gqa-top2-sink", "mqa-top2-noncausal", "long-groups-bf16",
                                   "gqa-top1-noncausal-empty-groups", "gqa-top1-bf16", "one-group-window-past-end"])
 def test_window_kernel_in_the_decomposition_matches_reference(case, monkeypatch):
-    # On CUDA the window set runs as the Triton window kernel (CASES above take it there); here the interpreter
-    # runs it. One membership per token: it continues each query from the group set; several: merged partials.
+    # On CUDA the window set runs as the Triton window kernel and the layouts are gathered by the Triton gather
+    # kernel (CASES above take both there); here the interpreter runs them. One membership per token: it continues each query from the group set; several: merged partials.
     WindowSet = pytest.importorskip("sieve_attn.ops.focus.triton_prefill").WindowSet
     calls = []
     window_forward = WindowSet.forward
@@ -137,6 +138,7 @@ def test_window_kernel_in_the_decomposition_matches_reference(case, monkeypatch)
 
     monkeypatch.setattr(WindowSet, "forward", counted)
     monkeypatch.setattr(decomposed, "window_kernel_serves", lambda q, groups: groups.bits is not None)
+    monkeypatch.setattr(decomposed, "gather_rows", gather.gather_rows_triton)  # the packing CUDA runs, too
     check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
     assert calls == [CASES[case][6] == 1]  # the one sdpa run: with init exactly when each token has one group
 
@@ -153,13 +155,26 @@ def test_sorted_groups_pack_segments_in_position_order():
     # (0, 2) and (1, 1) have none. L = 4: the first and third segments are padded at their end.
     assert layout.counts.tolist() == [3, 4, 1, 4] and layout.segment_group.tolist() == [0, 1, 0, 2]
     assert layout.length == 4 and layout.multi
-    assert layout.slot_tokens(5).tolist() == [[1, 3, 4, -1], [0, 1, 2, 4], [7, -1, -1, -1], [5, 6, 8, 9]]
+    assert layout.slot_tokens().tolist() == [[1, 3, 4, -1], [0, 1, 2, 4], [7, -1, -1, -1], [5, 6, 8, 9]]
+    assert layout.token_slot is None  # several memberships: tokens are summed over their copies
     x = torch.arange(10.0).view(2, 1, 5)  # [B, H, T]: the value is the flat token index
     packed = layout.pack(x)
     assert packed.shape == (4, 1, 4) and packed[:, 0].tolist() == [[1, 3, 4, 0], [0, 1, 2, 4], [7, 0, 0, 0],
                                                                    [5, 6, 8, 9]]
     # the rows of the memberships, summed per token, count tokens 1 and 4 of sequence 0 twice
-    assert layout.sum_copies(layout.rows(packed), 2, 5)[:, 0].tolist() == [[0, 2, 2, 3, 8], [5, 6, 7, 8, 9]]
+    assert layout.to_tokens(packed)[:, 0].tolist() == [[0, 2, 2, 3, 8], [5, 6, 7, 8, 9]]
+
+
+def test_sorted_groups_with_one_group_per_token_map_tokens_to_slots_both_ways():
+    groups = torch.tensor([[[1], [0], [1], [1], [0]], [[2], [2], [0], [2], [2]]])
+    layout = SortedGroups.of(groups, num_groups=3)
+    assert not layout.multi and layout.length == 4
+    assert layout.slot_tokens().tolist() == [[1, 4, -1, -1], [0, 2, 3, -1], [7, -1, -1, -1], [5, 6, 8, 9]]
+    assert layout.token_slot.tolist() == [4, 0, 5, 6, 1, 12, 13, 8, 14, 15]
+    x = torch.randn(2, 3, 5, 8)  # [B, H, T, D]
+    packed = layout.pack(x)
+    assert packed.shape == (4, 3, 4, 8) and torch.equal(packed[0, :, 2:], torch.zeros(3, 2, 8))
+    assert torch.equal(layout.to_tokens(packed), x) and torch.equal(layout.rows(packed)[0], x[0, :, 1])
 
 
 def test_explicit_sdpa_refuses_what_it_cannot_compute():

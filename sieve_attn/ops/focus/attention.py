@@ -8,9 +8,9 @@ Backends of the hard pattern (:func:`focus_attention`):
 - ``"sdpa"``: the decomposition (:mod:`.decomposed`): tokens sorted by group, one batched causal SDPA-family call
   (cuDNN first) for the same-group pairs, masked calls with several memberships; the cross-group window pairs by
   the Triton window kernel on CUDA (masked calls elsewhere); merged by log-sum-exp. Tq == Tk, no softcap or
-  attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token with long groups
-  (H200, 1M tokens, top-1: K=8 8.61x cuDNN against the Triton kernels' 6.92x, K=16 16.32x against 13.49x); slower
-  with short groups and with several memberships (top-2: 0.03-0.11x).
+  attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token from 4K tokens per
+  group (H200, top-1, x cuDNN: 64K K=8 3.79x against the Triton kernels' 3.25x, 1M K=8 9.27x against 6.86x, 1M
+  K=16 19.15x against 13.48x); slower with shorter groups and with several memberships (top-2: 0.03-0.11x).
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
@@ -40,10 +40,11 @@ from .reference import focus_attention_reference, focus_pair_mask, focus_soft_at
 # Not re-measured since the layout moved into Triton kernels.
 DENSE_BELOW = 8192
 # Tokens per group (T / K) from which auto takes the decomposition for one group per token, causal: its group set is
-# one batched cuDNN call, faster than the Triton group kernel on long groups. H200, v7 (forward, x cuDNN, sdpa vs
-# triton): 8K per group 2.06 vs 2.81x, 16K 9.78 vs 11.72x, 32K 6.64 vs 6.48x (fwd+bwd 5.53 vs 4.95x), 64K 16.32 vs
-# 13.49x, 128K 8.61 vs 6.92x.
-GROUP_CALL_FROM = 32768
+# one batched cuDNN call, faster than the Triton group kernel from groups of 4K tokens. H200, v7 (x cuDNN, sdpa vs
+# triton; forward, then forward+backward): 1K per group 0.44 vs 0.61x, 0.75 vs 1.17x; 2K 0.41 vs 0.57x, 0.77 vs
+# 0.94x; 4K 4.91 vs 4.67x, 4.65 vs 4.46x; 8K 3.79 vs 3.25x, 3.74 vs 3.23x; 16K 15.18 vs 11.85x; 32K 8.81 vs 6.49x;
+# 64K 19.15 vs 13.48x; 128K 9.27 vs 6.86x.
+GROUP_CALL_FROM = 4096
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")

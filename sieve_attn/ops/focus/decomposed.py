@@ -39,6 +39,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..gather import gather_rows
 from ..merge import merge_partials
 from ..triton_common import kernel_blocker
 from .groups import FocusGroups
@@ -104,7 +105,8 @@ def _round_up(value: int, multiple: int) -> int:
 class SortedGroups:
     """Memberships sorted by (sequence, group, position). The S non-empty (sequence, group) pairs are segments of
     L slots (L = the largest member count): member r of segment s sits at [s, :, r] of a [S, H, L, ...] layout,
-    later slots are padding. E memberships in all, each one copy of its token."""
+    later slots are padding. E memberships in all, each one copy of its token. Layouts move between token order and
+    the segments by :func:`~sieve_attn.ops.gather.gather_rows` (one copy of each row)."""
 
     segment: torch.Tensor        # [E] segment of each membership
     rank: torch.Tensor           # [E] its slot in the segment (position order)
@@ -112,6 +114,11 @@ class SortedGroups:
     position: torch.Tensor       # [E] its token's position
     counts: torch.Tensor         # [S] members of each segment
     segment_group: torch.Tensor  # [S] group id of each segment
+    slot_token: torch.Tensor     # [S * L] the token (b * T + t) in each slot, -1 for padding
+    member_slot: torch.Tensor    # [E] the slot (s * L + r) of each membership
+    token_slot: Optional[torch.Tensor]  # [B * T] the slot of each token, with one membership per token (else None)
+    sequences: int               # B
+    tokens: int                  # T
     length: int                  # L
     multi: bool                  # some token has several memberships
 
@@ -120,7 +127,8 @@ class SortedGroups:
         """ids: [B, T, m] int64, -1 = empty slot, every token in at least one group (validated)."""
         batch, length, slots = ids.shape
         flat = ids.reshape(-1)
-        entry = torch.nonzero(flat >= 0).squeeze(1)
+        # one slot per token: every entry is a membership (validated), and nonzero's host sync is not needed
+        entry = torch.nonzero(flat >= 0).squeeze(1) if slots > 1 else torch.arange(flat.numel(), device=ids.device)
         token = entry // slots
         group = flat[entry]
         # The keys are distinct, so the order is the stable one: members of a group stay in position order.
@@ -132,34 +140,50 @@ class SortedGroups:
         counts = torch.bincount(segment)
         first = torch.cumsum(counts, 0) - counts
         rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
-        return cls(segment, rank, token // length, token % length, counts, group[first], length=int(counts.max()),
-                   multi=entry.numel() > batch * length)
+        longest = int(counts.max())
+        member_slot = segment * longest + rank
+        slot_token = torch.full((counts.numel() * longest,), -1, dtype=torch.long, device=ids.device)
+        slot_token[member_slot] = token
+        multi = entry.numel() > batch * length
+        token_slot = None
+        if not multi:
+            token_slot = torch.empty(batch * length, dtype=torch.long, device=ids.device)
+            token_slot[token] = member_slot
+        return cls(segment, rank, token // length, token % length, counts, group[first], slot_token, member_slot,
+                   token_slot, batch, length, length=longest, multi=multi)
 
     @property
     def num_segments(self) -> int:
         return self.counts.numel()
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, T, *rest] -> [S, H, L, *rest], contiguous, zeros in the padding slots."""
-        packed = x.new_zeros(self.num_segments, x.shape[1], self.length, *x.shape[3:])
-        packed[self.segment, :, self.rank] = x[self.batch, :, self.position]
-        return packed
+        """[B, H, T, *rest] -> [S, H, L, *rest] (rest: () or (D,)), contiguous, zeros in the padding slots."""
+        return _rows_of(x, self.slot_token, self.num_segments, self.length)
 
     def rows(self, y: torch.Tensor) -> torch.Tensor:
         """[S, H, L, *rest] -> [E, H, *rest]: the rows of the memberships."""
-        return y[self.segment, :, self.rank]
+        return _rows_of(y, self.member_slot, self.member_slot.numel(), 1).squeeze(2)
 
-    def sum_copies(self, rows: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-        """[E, H, *rest] -> [B, H, T, *rest]: each token's rows summed over its copies (a view, token-major)."""
-        tokens = self.batch * length + self.position
-        total = rows.new_zeros(batch * length, *rows.shape[1:]).index_add_(0, tokens, rows)
-        return total.unflatten(0, (batch, length)).transpose(1, 2)
+    def to_tokens(self, y: torch.Tensor) -> torch.Tensor:
+        """[S, H, L, *rest] -> [B, H, T, *rest]: each token's rows summed over its copies (with one membership per
+        token, its one row)."""
+        if self.token_slot is not None:
+            return _rows_of(y, self.token_slot, self.sequences, self.tokens)
+        tokens = self.batch * self.tokens + self.position
+        rows = self.rows(y)
+        total = rows.new_zeros(self.sequences * self.tokens, *rows.shape[1:]).index_add_(0, tokens, rows)
+        return total.unflatten(0, (self.sequences, self.tokens)).transpose(1, 2)
 
-    def slot_tokens(self, length: int) -> torch.Tensor:
-        """[S, L] int64: the token (b * T + t, T = ``length``) in each slot, -1 for padding."""
-        table = torch.full((self.num_segments, self.length), -1, dtype=torch.long, device=self.counts.device)
-        table[self.segment, self.rank] = self.batch * length + self.position
-        return table
+    def slot_tokens(self) -> torch.Tensor:
+        """[S, L] int64: the token (b * T + t) in each slot, -1 for padding."""
+        return self.slot_token.view(self.num_segments, self.length)
+
+
+def _rows_of(x: torch.Tensor, index: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
+    """:func:`~sieve_attn.ops.gather.gather_rows` of [A, H, I, D] or [A, H, I] tensors."""
+    if x.dim() == 3:
+        return gather_rows(x[..., None], index, outer, inner)[..., 0]
+    return gather_rows(x, index, outer, inner)
 
 
 class _TokenSets:
@@ -298,12 +322,15 @@ class _Plan:
     def forward(self, q, k, v):
         """(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32, float64 for float64 inputs)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
-        out_rows, lse_rows = self._group_forward(q, k, v)
-        rows = self.sorted.batch * self.length + self.sorted.position
+        out_s, lse_s = self._group_forward(q, k, v)
         if self.window_kernel is not None and not self.sorted.multi:
-            return self._window_kernel_continues(q, k, v, out_rows, lse_rows, rows)
+            # one partial per token: the window kernel continues each query's softmax from its group-set partial
+            init = self.sorted.to_tokens(out_s), self.sorted.to_tokens(lse_s.float())
+            return self.window_kernel.forward(q, k, v, init=init, out=torch.empty_like(q))
         base = self._window_forward(q, k, v) if self.blocks else None
-        out, lse = merge_partials(base, out_rows, lse_rows, rows, self.batch * self.length, dtype)
+        rows = self.sorted.batch * self.length + self.sorted.position
+        out, lse = merge_partials(base, self.sorted.rows(out_s), self.sorted.rows(lse_s), rows,
+                                  self.batch * self.length, dtype)
         out = out.unflatten(0, (self.batch, self.length)).transpose(1, 2).to(q.dtype).contiguous()
         return out, lse.unflatten(0, (self.batch, self.length)).transpose(1, 2).contiguous()
 
@@ -311,7 +338,7 @@ class _Plan:
         """(dq, dk, dv) in the inputs' dtypes, from the final out and lse of :meth:`forward`."""
         grads = self._group_backward(q, k, v, out, lse, grad_out)
         if self.window_kernel is not None:
-            grads = [g + w for g, w in zip(grads, self.window_kernel.backward(q, k, v, out, lse, grad_out))]
+            grads = self.window_kernel.backward(q, k, v, out, lse, grad_out, grads)
         elif self.blocks:
             grads = [g + w for g, w in zip(grads, self._window_backward(q, k, v, out, lse, grad_out))]
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
@@ -339,12 +366,12 @@ class _Plan:
         return allowed[:, None]
 
     def _group_forward(self, q, k, v):
-        """Partial results of the group set, one per membership: (out [E, Hq, D], lse [E, Hq])."""
+        """Partial results of the group set in the sorted layout: (out [S, Hq, L, D], lse [S, Hq, L])."""
         q_s, k_s, v_s = (self.sorted.pack(t) for t in (q, k, v))
         if self.fast:
             self.causal_family, out_s, lse_s, self.saved["group"] = causal_call(q_s, k_s, v_s, self.scale)
         else:
-            slot_tokens, outs, lses = self.sorted.slot_tokens(self.length), [], []
+            slot_tokens, outs, lses = self.sorted.slot_tokens(), [], []
             for index, r0, r1, keys in self._group_calls():
                 allowed = self._group_mask(slot_tokens, r0, r1, keys)
                 out, lse, self.saved[("group", index)] = self.masked.forward(
@@ -353,7 +380,7 @@ class _Plan:
                 outs.append(out)
                 lses.append(lse)
             out_s, lse_s = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        return self.sorted.rows(out_s), self.sorted.rows(lse_s)
+        return out_s, lse_s
 
     def _group_backward(self, q, k, v, out, lse, grad_out):
         """The group set's share of (dq, dk, dv), float32 [B, H, T, D] (float64 for float64 inputs)."""
@@ -362,7 +389,7 @@ class _Plan:
             grads = self.causal_family.backward(grad_s, q_s, k_s, v_s, out_s, lse_s, None, self.saved["group"],
                                                 self.scale)
         else:
-            slot_tokens, dqs = self.sorted.slot_tokens(self.length), []
+            slot_tokens, dqs = self.sorted.slot_tokens(), []
             dtype = lse.dtype
             dk_s, dv_s = k_s.new_zeros(k_s.shape, dtype=dtype), v_s.new_zeros(v_s.shape, dtype=dtype)
             for index, r0, r1, keys in self._group_calls():
@@ -374,7 +401,7 @@ class _Plan:
                 dk_s[:, :, :keys] += dk
                 dv_s[:, :, :keys] += dv
             grads = torch.cat(dqs, dim=2), dk_s, dv_s
-        return [self.sorted.sum_copies(self.sorted.rows(g).to(lse.dtype), self.batch, self.length) for g in grads]
+        return [self.sorted.to_tokens(g).to(lse.dtype) for g in grads]
 
     # ------------------------------------------------------------------------------------------------ window set
 
@@ -392,15 +419,6 @@ class _Plan:
         k_tok = torch.where(k_real, k_pos + offsets, -1).flatten(0, 1)
         allowed = local.repeat(self.batch, 1, 1) & ~self.sets.shared(q_tok, k_tok)
         return allowed[:, None]
-
-    def _window_kernel_continues(self, q, k, v, out_rows, lse_rows, rows):
-        """(out, lse) of the pattern with one membership per token: the group set's partials (one per token, ``rows``
-        their flat token indices) put in token order, then the window kernel continues each query from there."""
-        count, heads = self.batch * self.length, out_rows.shape[1]
-        init_out = out_rows.new_empty(count, heads, out_rows.shape[2]).index_copy_(0, rows, out_rows)
-        init_lse = lse_rows.new_empty(count, heads, dtype=torch.float32).index_copy_(0, rows, lse_rows.float())
-        init_out, init_lse = (x.unflatten(0, (self.batch, self.length)).transpose(1, 2) for x in (init_out, init_lse))
-        return self.window_kernel.forward(q, k, v, init=(init_out, init_lse.contiguous()), out=torch.empty_like(q))
 
     def _window_forward(self, q, k, v):
         """Partial results of the window set per token: (out [B*T, Hq, D], lse [B*T, Hq])."""

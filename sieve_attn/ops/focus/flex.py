@@ -68,7 +68,7 @@ def _group_block_mask(layout: SortedGroups, bits: torch.Tensor, length: int, cau
     """Block mask of the group set over the sorted layout: [S, L] query slots x [S, L] key slots."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    tokens = layout.slot_tokens(length)
+    tokens = layout.slot_tokens()
     slot_bits = torch.where(tokens >= 0, bits.flatten()[tokens.clamp_min(0)], 0)  # [S, L], 0 for padding
     counts, lower, multi = layout.counts, (1 << layout.segment_group) - 1, layout.multi
 

@@ -413,12 +413,14 @@ class _Kernels:
         return (self.bits.stride(0), q.shape[1], q.shape[2], self.window, self.scale, self.softcap or 1.0)
 
 
-def _backward_inputs(q, k, v, out, grad_out):
-    """Contiguous q, k, v, dO; delta = rowsum(dO * O) [B, Hq, T] float32; zero float32 dq, dk, dv."""
+def _backward_inputs(q, k, v, out, grad_out, grads=None):
+    """Contiguous q, k, v, dO; delta = rowsum(dO * O) [B, Hq, T] float32; ``grads`` (float32 dq, dk, dv to add
+    into, made contiguous) or zeros."""
     grad_out = grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
-    grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
-    return (*(t.contiguous() for t in (q, k, v)), grad_out, delta, grads)
+    if grads is None:
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
+    return (*(t.contiguous() for t in (q, k, v)), grad_out, delta, [g.contiguous() for g in grads])
 
 
 class WindowSet(_Kernels):
@@ -437,9 +439,10 @@ class WindowSet(_Kernels):
         self._launch_forward(self.window_layout, True, False, q, k, v, init, out, lse)
         return out, lse
 
-    def backward(self, q, k, v, out, lse, grad_out):
-        """The window set's share of (dq, dk, dv), float32 [B, H, T, D], from the final ``out`` and ``lse``."""
-        q, k, v, grad_out, delta, grads = _backward_inputs(q, k, v, out, grad_out)
+    def backward(self, q, k, v, out, lse, grad_out, grads=None):
+        """The window set's share of (dq, dk, dv), float32 [B, H, T, D], from the final ``out`` and ``lse``; added
+        into ``grads`` (float32, the shapes of q, k, v; the other set's share) when given, and returned."""
+        q, k, v, grad_out, delta, grads = _backward_inputs(q, k, v, out, grad_out, grads)
         self._launch_backward(self.window_layout, True, False, q, k, v, grad_out, lse.contiguous(), delta, *grads)
         return grads
 
