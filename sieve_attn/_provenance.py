@@ -8,7 +8,8 @@ from typing import Optional
 
 def git_commit(short: bool = False) -> Optional[str]:
     """HEAD of the checkout this package runs from, with ``-dirty`` appended when tracked files differ from it (a run
-    of uncommitted code must not pass for the commit's); None outside a git checkout or without git."""
+    of uncommitted code must not pass for the commit's) and ``-unchecked`` when git could not tell; None outside a
+    git checkout or without git."""
     here = Path(__file__).parent
 
     def git(*args: str) -> Optional[str]:
@@ -22,4 +23,6 @@ def git_commit(short: bool = False) -> Optional[str]:
     if not commit:
         return None
     changes = git("status", "--porcelain", "--untracked-files=no")
+    if changes is None:
+        return commit + "-unchecked"
     return commit + "-dirty" if changes else commit

@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 import sieve_attn._provenance as provenance
 
 
-def _fake_git(head, status, head_code=0):
+def _fake_git(head, status, head_code=0, status_code=0):
     def run(args, **kwargs):
         if args[1] == "rev-parse":
             return SimpleNamespace(returncode=head_code, stdout=head + "\n")
-        return SimpleNamespace(returncode=0, stdout=status)
+        return SimpleNamespace(returncode=status_code, stdout=status)
     return run
 
 
@@ -25,6 +28,11 @@ def test_changed_tracked_files_mark_the_commit_dirty(monkeypatch):
     assert provenance.git_commit() == "abc123-dirty"
 
 
+def test_a_status_git_cannot_read_is_not_taken_for_clean(monkeypatch):
+    monkeypatch.setattr(subprocess, "run", _fake_git("abc123", "", status_code=128))
+    assert provenance.git_commit() == "abc123-unchecked"
+
+
 def test_no_checkout_gives_none(monkeypatch):
     monkeypatch.setattr(subprocess, "run", _fake_git("", "", head_code=128))
     assert provenance.git_commit() is None
@@ -35,6 +43,7 @@ def test_no_checkout_gives_none(monkeypatch):
     assert provenance.git_commit() is None
 
 
+@pytest.mark.skipif(not (Path(provenance.__file__).parents[1] / ".git").exists(), reason="not run from a git checkout")
 def test_this_checkout_names_a_commit():
     commit = provenance.git_commit()
-    assert commit is None or len(commit.split("-")[0]) == 40
+    assert commit is not None and len(commit.split("-")[0]) == 40

@@ -36,26 +36,25 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, outer: int, inner: int) 
     if index.numel() != outer * inner:
         raise ValueError(f"index: expected {outer} x {inner} = {outer * inner} rows, got {index.numel()}")
     tracked = torch.is_grad_enabled() and src.requires_grad
-    if triton is None or src.device.type != "cuda" or src.stride(3) != 1 or tracked:
+    if triton is None or src.device.type != "cuda" or tracked:
         return gather_rows_reference(src, index, outer, inner)
     return gather_rows_triton(src, index, outer, inner)
 
 
 def gather_rows_triton(src, index, outer, inner):
-    """:func:`gather_rows` by the Triton kernel (CUDA, or the interpreter); src's last dimension contiguous."""
+    """:func:`gather_rows` by the Triton kernel (CUDA, or the interpreter)."""
     heads, dim = src.shape[1], src.shape[3]
     out = src.new_empty(outer, heads, inner, dim)
     count = outer * inner
     _gather_rows_kernel[(triton.cdiv(count, _ROWS), heads)](
-        src, index.contiguous(), out, count, src.shape[2], inner, src.stride(0), src.stride(1), src.stride(2), dim,
-        ROWS=_ROWS, BLOCK_D=triton.next_power_of_2(dim))
+        src, index.contiguous(), out, count, src.shape[2], inner, *src.stride(), dim, ROWS=_ROWS, BLOCK_D=triton.next_power_of_2(dim))
     return out
 
 
 @jit
-def _gather_rows_kernel(SRC, INDEX, OUT, count, src_inner, out_inner, s_a, s_h, s_i, dim, ROWS: tl.constexpr,
+def _gather_rows_kernel(SRC, INDEX, OUT, count, src_inner, out_inner, s_a, s_h, s_i, s_d, dim, ROWS: tl.constexpr,
                         BLOCK_D: tl.constexpr):
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)  # head x head stride passes 2**31 in large tensors
     n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = n < count
     row = tl.load(INDEX + n, mask=live, other=-1).to(tl.int64)
@@ -64,7 +63,7 @@ def _gather_rows_kernel(SRC, INDEX, OUT, count, src_inner, out_inner, s_a, s_h, 
     features = tl.arange(0, BLOCK_D)
     inside = features < dim
     source = SRC + (safe // src_inner) * s_a + head * s_h + (safe % src_inner) * s_i
-    values = tl.load(source[:, None] + features[None, :], mask=real[:, None] & inside[None, :], other=0.0)
+    values = tl.load(source[:, None] + features[None, :] * s_d, mask=real[:, None] & inside[None, :], other=0.0)
     n64 = n.to(tl.int64)
     heads = tl.num_programs(1)
     target = OUT + ((n64 // out_inner) * heads + head) * out_inner * dim + (n64 % out_inner) * dim

@@ -12,6 +12,16 @@ except ImportError:
     triton = None
 
 
+def on_device_of(tensor):
+    """A context in which Triton launches go to ``tensor``'s CUDA device (the launcher uses the current device, and
+    ``cuda:1`` tensors under a current ``cuda:0`` cannot be reached); a no-op off CUDA."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def jit(fn):
     """triton.jit, or the plain function when triton is missing."""
     return fn if triton is None else triton.jit(fn)

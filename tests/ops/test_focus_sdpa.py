@@ -102,10 +102,12 @@ CASES = {
     "window0-bf16-top2": (1, 2, 2, 97, 64, 3, 2, 0, True, None, BF16),
     "mqa-top1-ids-past-63-bf16": (1, 4, 1, 77, 32, 5, 1, 9, True, None, BF16),
     "gqa-top1-bf16": (1, 6, 2, 70, 32, 4, 1, 7, True, None, BF16),
+    "gqa-top1-ids-past-31-bf16": (1, 6, 2, 70, 32, 4, 1, 7, True, None, BF16),
 }
 # Group ids id * spread + offset: every third group empty; ids past 62 (no bit sets, the id-list path)
 SPREAD = {"gqa-top1-noncausal-empty-groups": 3}
-OFFSET = {"top3-noncausal-ids-past-63": 60, "mqa-top1-ids-past-63-bf16": 70}
+# ids 32..35: 64-bit bit sets in the Triton kernels (ids < 31 take 32 bits)
+OFFSET = {"top3-noncausal-ids-past-63": 60, "mqa-top1-ids-past-63-bf16": 70, "gqa-top1-ids-past-31-bf16": 32}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -123,11 +125,16 @@ def test_many_small_calls_match_reference(case, monkeypatch):
     check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
 
 
-@pytest.mark.parametrize("case", ["mha-top1", "gqa-top2-sink", "mqa-top2-noncausal", "long-groups-bf16",
-                                  "gqa-top1-noncausal-empty-groups", "gqa-top1-bf16", "one-group-window-past-end"])
+WINDOW_KERNEL_CASES = ["mha-top1", "gqa-top2-sink", "mqa-top2-noncausal", "long-groups-bf16",
+                       "gqa-top1-noncausal-empty-groups", "gqa-top1-bf16", "one-group-window-past-end",
+                       "gqa-top1-ids-past-31-bf16"]
+
+
+@pytest.mark.parametrize("case", WINDOW_KERNEL_CASES)
 def test_window_kernel_in_the_decomposition_matches_reference(case, monkeypatch):
     # On CUDA the window set runs as the Triton window kernel and the layouts are gathered by the Triton gather
-    # kernel (CASES above take both there); here the interpreter runs them. One membership per token: it continues each query from the group set; several: merged partials.
+    # kernel (CASES above take both there); here the interpreter runs them. One membership per token: the kernel
+    # continues each query from the group set; several: merged partials.
     WindowSet = pytest.importorskip("sieve_attn.ops.focus.triton_prefill").WindowSet
     calls = []
     window_forward = WindowSet.forward
@@ -141,6 +148,21 @@ def test_window_kernel_in_the_decomposition_matches_reference(case, monkeypatch)
     monkeypatch.setattr(decomposed, "gather_rows", gather.gather_rows_triton)  # the packing CUDA runs, too
     check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
     assert calls == [CASES[case][6] == 1]  # the one sdpa run: with init exactly when each token has one group
+
+
+def test_window_kernel_writes_a_contiguous_output_for_a_strided_q(monkeypatch):
+    """q whose last dimension is not contiguous (a transposed view): the output buffer the kernel writes is
+    contiguous whatever q's strides, and the result equals the reference."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(decomposed, "window_kernel_serves", lambda q, groups: groups.bits is not None)
+    monkeypatch.setattr(decomposed, "gather_rows", gather.gather_rows_triton)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 32, 45, generator=gen).to(DEVICE).transpose(2, 3)  # [2, 4, 45, 32], stride(-1) = 45
+    k, v = (torch.randn(2, 2, 45, 32, generator=gen).to(DEVICE) for _ in range(2))
+    groups = make_groups(2, 45, 3, 1, seed=4)
+    got = focus_attention(q, k, v, groups, window=6, backend="sdpa")
+    want = focus_attention(q.double(), k.double(), v.double(), groups, window=6, backend="reference")
+    assert (got.double() - want).abs().max() < 1e-5
 
 
 def test_returns_lse_of_the_reference_and_writes_out():
@@ -163,6 +185,24 @@ def test_sorted_groups_pack_segments_in_position_order():
                                                                    [5, 6, 8, 9]]
     # the rows of the memberships, summed per token, count tokens 1 and 4 of sequence 0 twice
     assert layout.to_tokens(packed)[:, 0].tolist() == [[0, 2, 2, 3, 8], [5, 6, 7, 8, 9]]
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_sorted_groups_read_the_device_once_per_membership_kind(slots, monkeypatch):
+    """One host read for one group per token (the longest group and the segment count together); several slots add
+    nonzero's (which entries are memberships). Each read stalls the queue before the packing's launches."""
+    groups = make_groups(2, 40, 5, slots, seed=2, spread=2)  # every other group empty
+    reads = []
+    for method in ("tolist", "item", "__int__", "__bool__", "nonzero"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _f=original, _m=method, **kw: reads.append(_m)
+                            or _f(self, *a, **kw))
+    original_nonzero = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **kw: reads.append("nonzero") or original_nonzero(*a, **kw))
+    layout = SortedGroups.of(groups, num_groups=10)
+    monkeypatch.undo()
+    assert reads == (["tolist"] if slots == 1 else ["nonzero", "tolist"])
+    assert layout.num_segments == int((layout.counts > 0).sum()) and layout.counts.sum() == (groups >= 0).sum()
 
 
 def test_sorted_groups_with_one_group_per_token_map_tokens_to_slots_both_ways():

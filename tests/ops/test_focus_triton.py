@@ -106,6 +106,22 @@ def test_prefill_with_one_group_per_token_never_waits_for_the_gpu():
     torch.testing.assert_close(out.detach().float(), want.float(), rtol=0, atol=2e-2)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_tensors_on_another_gpu_than_the_current_one(backend):
+    """Launches go to the tensors' device (cuda:1) while cuda:0 is current, forward and backward."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 300, 64, generator=gen).to("cuda:1", BF16).requires_grad_() for _ in range(3))
+    ids = torch.randint(0, 3, (1, 300), generator=gen).to("cuda:1")
+    torch.cuda.set_device(0)
+    out = focus_attention(q, k, v, ids, window=16, backend=backend)
+    out.float().sum().backward()
+    want = focus_attention(q.detach().float(), k.detach().float(), v.detach().float(), ids, window=16,
+                           backend="reference")
+    torch.testing.assert_close(out.detach().float(), want, rtol=0, atol=2e-2)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_window_layout_pads_each_sequence():
     layout = window_layout(batch=2, length=10, block=4, device="cpu")
     assert layout.slot_token.tolist() == list(range(10)) + [-1, -1] + list(range(10)) + [-1, -1]

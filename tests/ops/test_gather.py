@@ -11,9 +11,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _source(a, heads, inner, dim, dtype, strided):
+    """[a, heads, inner, dim]; strided: token-major memory, or (strided="features") features not contiguous."""
     gen = torch.Generator().manual_seed(a * 100 + inner)
+    if strided == "features":
+        return torch.randn(a, heads, dim, inner, generator=gen).to(DEVICE, dtype).transpose(2, 3)
     x = torch.randn(a, inner, heads, dim, generator=gen).to(DEVICE, dtype)
-    return x.transpose(1, 2) if strided else x.transpose(1, 2).contiguous()  # strided: token-major memory
+    return x.transpose(1, 2) if strided else x.transpose(1, 2).contiguous()
 
 
 def _index(count, rows, seed):
@@ -38,6 +41,7 @@ def test_reference_is_plain_indexing_with_zero_rows():
     (3, 1, 9, 128, torch.float16, False, 3, 9),       # unpacking into token order
     (1, 4, 300, 64, torch.bfloat16, True, 2, 150),    # several programs per head
     (2, 3, 40, 1, torch.float32, False, 4, 20),       # log-sum-exp rows: one feature
+    (1, 2, 45, 32, torch.float32, "features", 3, 15),  # a transposed view: features 45 elements apart
 ])
 def test_kernel_matches_reference(a, heads, inner, dim, dtype, strided, outer, out_inner):
     pytest.importorskip("triton")

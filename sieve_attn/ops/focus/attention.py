@@ -93,8 +93,8 @@ def focus_attention(
     window = check_int("window", window, 0)
     causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
     needs_grad = _needs_grad(q, k, v)
-    name, _ = _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=causal, softcap=softcap, attn_mask=attn_mask, backend=backend,
-                       return_lse=return_lse, needs_grad=needs_grad)
+    name, _ = _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=causal, softcap=softcap,
+                       attn_mask=attn_mask, backend=backend, return_lse=return_lse, needs_grad=needs_grad)
     if name == "reference":
         result, lse = focus_attention_reference(q, k, v, groups.ids, window=window, causal=causal, scale=scale,
                                                 softcap=softcap, attn_mask=attn_mask, out=out)
@@ -131,8 +131,8 @@ def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, cau
     Raises ValueError when an explicitly requested backend cannot serve the call."""
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     needs_grad = _needs_grad(q, k, v)
-    return _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=bool(causal), softcap=softcap, attn_mask=attn_mask, backend=backend,
-                    return_lse=return_lse, needs_grad=needs_grad)
+    return _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=bool(causal), softcap=softcap,
+                    attn_mask=attn_mask, backend=backend, return_lse=return_lse, needs_grad=needs_grad)
 
 
 def _triton_blocker(q, k, num_groups, causal, attn_mask) -> Optional[str]:

@@ -23,7 +23,6 @@ query rows, G x Tq, exceed 64); the lists (4 bytes per attended key, written and
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
@@ -32,7 +31,7 @@ import triton.language as tl
 from ..._checks import fail
 from .. import split_k
 from ..split_k import program_rows, store_rows
-from ..triton_common import dot, is_interpreted, softmax_finish, softmax_start, softmax_step, tanh
+from ..triton_common import dot, is_interpreted, on_device_of, softmax_finish, softmax_start, softmax_step, tanh
 
 # Warps and pipeline depth of the two-pass kernel: the fastest that passed the gated bench on an H200 (128K, GQA 32/8,
 # D = 128, K = 8, CUDA graphs). v7 (benchmarks/results/focus_h200/v7): 2 stages against 3 in the same session, top-1
@@ -147,7 +146,7 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
     part_out, part_lse = (out, lse) if work.chunks == 1 else split_k.partials(q, work.chunks)
     programs = batch * kv_heads * work.chunks * work.row_blocks
     keys = torch.empty(programs * work.chunk_keys, dtype=torch.int32, device=q.device)
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device_of(q):
         _focus_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
             q, k, v, bits, keys, part_out, part_lse,
             *q.stride(), *k.stride(), *v.stride(), *bits.stride(),

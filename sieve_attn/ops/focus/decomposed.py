@@ -41,7 +41,7 @@ import torch
 
 from ..gather import gather_rows
 from ..merge import merge_partials
-from ..triton_common import kernel_blocker
+from ..triton_common import kernel_blocker, on_device_of
 from .groups import FocusGroups
 from .sdpa_ops import causal_call, masked_family
 
@@ -72,8 +72,9 @@ def focus_attention_sdpa(q, k, v, groups: FocusGroups, *, window: int, causal: b
     :func:`sieve_attn.ops.focus.attention.focus_attention`, with Tq == Tk and :func:`sdpa_blocker` None.
 
     Returns (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32). Gradients flow to q, k, v (not through lse)."""
-    plan = _Plan(groups, q, k, window=window, causal=causal, scale=scale)
-    out, lse = PlanAttention.apply(q, k, v, plan)
+    with on_device_of(q):  # Triton launches (packing, window kernel) go to the current device
+        plan = _Plan(groups, q, k, window=window, causal=causal, scale=scale)
+        out, lse = PlanAttention.apply(q, k, v, plan)
     return out, lse.float()
 
 
@@ -127,22 +128,24 @@ class SortedGroups:
         """ids: [B, T, m] int64, -1 = empty slot, every token in at least one group (validated)."""
         batch, length, slots = ids.shape
         flat = ids.reshape(-1)
-        # one slot per token: every entry is a membership (validated), and nonzero's host sync is not needed
+        # one slot per token: every entry is a membership (validated), so nonzero and its host read are not needed
         entry = torch.nonzero(flat >= 0).squeeze(1) if slots > 1 else torch.arange(flat.numel(), device=ids.device)
         token = entry // slots
         group = flat[entry]
         # The keys are distinct, so the order is the stable one: members of a group stay in position order.
         key, order = torch.sort(((token // length) * num_groups + group) * length + token % length)
         token, group, segment_key = token[order], group[order], key // length
-        new = torch.ones_like(segment_key, dtype=torch.bool)
-        new[1:] = segment_key[1:] != segment_key[:-1]
-        segment = torch.cumsum(new, 0) - 1
-        counts = torch.bincount(segment)
+        # Every (sequence, group) counted without reading the device; the non-empty ones become the segments.
+        ones = torch.ones_like(segment_key)
+        members = torch.zeros(batch * num_groups, dtype=torch.long, device=ids.device).index_add_(0, segment_key, ones)
+        present = members > 0
+        segment = (torch.cumsum(present, 0) - 1)[segment_key]
+        longest, num_segments = torch.stack([members.max(), present.sum()]).tolist()  # the one host read
+        counts = torch.zeros(num_segments, dtype=torch.long, device=ids.device).index_add_(0, segment, ones)
         first = torch.cumsum(counts, 0) - counts
         rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
-        longest = int(counts.max())
         member_slot = segment * longest + rank
-        slot_token = torch.full((counts.numel() * longest,), -1, dtype=torch.long, device=ids.device)
+        slot_token = torch.full((num_segments * longest,), -1, dtype=torch.long, device=ids.device)
         slot_token[member_slot] = token
         multi = entry.numel() > batch * length
         token_slot = None
@@ -326,7 +329,8 @@ class _Plan:
         if self.window_kernel is not None and not self.sorted.multi:
             # one partial per token: the window kernel continues each query's softmax from its group-set partial
             init = self.sorted.to_tokens(out_s), self.sorted.to_tokens(lse_s.float())
-            return self.window_kernel.forward(q, k, v, init=init, out=torch.empty_like(q))
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the kernel writes D unit-stride
+            return self.window_kernel.forward(q, k, v, init=init, out=out)
         base = self._window_forward(q, k, v) if self.blocks else None
         rows = self.sorted.batch * self.length + self.sorted.position
         out, lse = merge_partials(base, self.sorted.rows(out_s), self.sorted.rows(lse_s), rows,

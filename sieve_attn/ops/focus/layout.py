@@ -82,9 +82,9 @@ def group_layout(groups: torch.Tensor, bits: torch.Tensor, block: int, num_group
     Four small Triton kernels around one sort: the layout is rebuilt for every call, so its cost is mostly the host's
     launch overhead, kept to about 15 launches. With one slot per token (m = 1) nothing waits for the device: there
     are no extra copies, and the slots are counted by an upper bound (each non-empty segment pads fewer than
-    ``block`` slots), so up to ``num_groups`` trailing tiles per sequence are padding. Otherwise one host
-    synchronisation reads the slot and extra-copy counts. Extra copies are numbered in the order of ``groups``'
-    memberships."""
+    ``block`` slots), so up to B x ``num_groups`` - 1 tiles after the last sequence's last segment are padding.
+    Otherwise one host synchronisation reads the slot and extra-copy counts. Extra copies are numbered in the order
+    of ``groups``' memberships."""
     batch, length, slots = groups.shape
     device = groups.device
     count = groups.numel()

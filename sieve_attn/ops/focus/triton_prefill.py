@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..merge import merge_extra_partials
-from ..triton_common import dot, tanh
+from ..triton_common import dot, on_device_of, tanh
 from .decomposed import PlanAttention
 from .layout import group_layout, window_layout
 
@@ -173,7 +173,7 @@ def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, T
                 BLOCK_N: tl.constexpr, WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr,
                 HAS_INIT: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr):
     q_start = tl.program_id(0) * BLOCK_M
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)  # head x head stride passes 2**31 in large tensors (32 heads x 1M x 128)
     tile, b, lower, q_tok, bits_row, q_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, q_start,
                                                            LAYOUT, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -256,7 +256,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BITS, SLOT_TOKEN, TILE_BATCH, TI
                    WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
                    NATIVE: tl.constexpr):
     q_start = tl.program_id(0) * BLOCK
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)
     tile, b, lower, q_tok, bits_row, q_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, q_start,
                                                            LAYOUT, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -322,7 +322,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, BITS, SLOT_TOKEN, TILE_BAT
                      WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
                      NATIVE: tl.constexpr):
     k_start = tl.program_id(0) * BLOCK
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1).to(tl.int64)
     tile, b, lower, k_tok, bits_row, k_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, k_start,
                                                            LAYOUT, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -490,8 +490,9 @@ def focus_attention_triton(q, k, v, groups, bits, *, num_groups, window, causal,
 
     Returns (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32). Gradients flow to q, k, v (not through lse).
     """
-    pattern = _Pattern(groups, bits, num_groups, q.shape[0], q.shape[2], k.shape[1], window, causal, scale, softcap,
-                       q.device)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return PlanAttention.apply(q, k, v, pattern)
+    with on_device_of(q):  # the backward's launches run where autograd sets the device: q's
+        pattern = _Pattern(groups, bits, num_groups, q.shape[0], q.shape[2], k.shape[1], window, causal, scale,
+                           softcap, q.device)
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        return PlanAttention.apply(q, k, v, pattern)
 

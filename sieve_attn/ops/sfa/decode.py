@@ -43,7 +43,6 @@ Storing the codes code-major, which cuts the memory lines of each per-code load 
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -51,8 +50,8 @@ from ..._checks import check_choice, check_no_nan, fail, resolve_scale
 from ...config import SFA_DECODE_BACKENDS
 from .. import split_k
 from ..split_k import program_rows, store_rows
-from ..triton_common import (choose_backend, is_interpreted, jit, kernel_blocker, softmax_finish, softmax_start,
-                             softmax_step, triton)
+from ..triton_common import (choose_backend, is_interpreted, jit, kernel_blocker, on_device_of, softmax_finish,
+                             softmax_start, softmax_step, triton)
 from .cache import SFAKeyCache
 from .codes import densify, sparsify
 
@@ -308,7 +307,7 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     # merges in float32 and torch rounds.
     out = torch.empty(q.shape, dtype=torch.float32 if _INTERPRETED else q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device_of(q):
         q_sparse = sparsify_triton(q, cache.topk)
         _sfa_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
             q_sparse, packed, values, v, part_out, part_lse,
