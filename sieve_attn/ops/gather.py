@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import jit, triton
+from .triton_common import jit, on_device_of, triton
 
 if triton is not None:
     import triton.language as tl
@@ -28,7 +28,7 @@ def gather_rows_reference(src: torch.Tensor, index: torch.Tensor, outer: int, in
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
-    """src [A, H, I, D] (any strides, D contiguous on CUDA); index [N] int (N = outer x inner) of source rows
+    """src [A, H, I, D] (any strides); index [N] int (N = outer x inner) of source rows
     r = a x I + i, or -1. Returns a new contiguous [outer, H, inner, D] tensor: row n = (n // inner, n % inner) of
     each head is the source's row index[n] of that head, zeros for -1. The kernel serves CUDA tensors that autograd
     does not track (the decomposition's forward and backward, which handle gradients themselves); the rest, flex's
@@ -46,8 +46,10 @@ def gather_rows_triton(src, index, outer, inner):
     heads, dim = src.shape[1], src.shape[3]
     out = src.new_empty(outer, heads, inner, dim)
     count = outer * inner
-    _gather_rows_kernel[(triton.cdiv(count, _ROWS), heads)](
-        src, index.contiguous(), out, count, src.shape[2], inner, *src.stride(), dim, ROWS=_ROWS, BLOCK_D=triton.next_power_of_2(dim))
+    with on_device_of(src):
+        _gather_rows_kernel[(triton.cdiv(count, _ROWS), heads)](
+            src, index.contiguous(), out, count, src.shape[2], inner, *src.stride(), dim, ROWS=_ROWS,
+            BLOCK_D=triton.next_power_of_2(dim))
     return out
 
 

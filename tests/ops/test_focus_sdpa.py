@@ -205,6 +205,18 @@ def test_sorted_groups_read_the_device_once_per_membership_kind(slots, monkeypat
     assert layout.num_segments == int((layout.counts > 0).sum()) and layout.counts.sum() == (groups >= 0).sum()
 
 
+def test_sorted_groups_take_memory_of_the_memberships_not_of_the_ids():
+    """Ids are unbounded above (validation only asks >= 0): ids near 10**12 must not size any buffer (a table per
+    (sequence, group) would ask terabytes), and the decomposition still equals the reference."""
+    ids = torch.tensor([[0, 10 ** 12, 0, 5, 10 ** 12, 5, 0, 5]], device=DEVICE)
+    layout = SortedGroups.of(ids[..., None], num_groups=10 ** 12 + 1)
+    assert layout.counts.tolist() == [3, 3, 2] and layout.segment_group.tolist() == [0, 5, 10 ** 12]
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    got = focus_attention(q, q, q, ids, window=1, backend="sdpa")
+    want = focus_attention(q.double(), q.double(), q.double(), ids, window=1, backend="reference")
+    assert (got.double() - want).abs().max() < 1e-5
+
+
 def test_sorted_groups_with_one_group_per_token_map_tokens_to_slots_both_ways():
     groups = torch.tensor([[[1], [0], [1], [1], [0]], [[2], [2], [0], [2], [2]]])
     layout = SortedGroups.of(groups, num_groups=3)

@@ -93,7 +93,8 @@ class PlanAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*ctx.plan.backward(q, k, v, out, lse, grad_out), None)
+        with on_device_of(q):  # autograd's device thread is q's already; compiled autograd may not set it
+            return (*ctx.plan.backward(q, k, v, out, lse, grad_out), None)
 
 
 # ---------------------------------------------------------------------------------------------------- layouts
@@ -135,13 +136,14 @@ class SortedGroups:
         # The keys are distinct, so the order is the stable one: members of a group stay in position order.
         key, order = torch.sort(((token // length) * num_groups + group) * length + token % length)
         token, group, segment_key = token[order], group[order], key // length
-        # Every (sequence, group) counted without reading the device; the non-empty ones become the segments.
-        ones = torch.ones_like(segment_key)
-        members = torch.zeros(batch * num_groups, dtype=torch.long, device=ids.device).index_add_(0, segment_key, ones)
-        present = members > 0
-        segment = (torch.cumsum(present, 0) - 1)[segment_key]
-        longest, num_segments = torch.stack([members.max(), present.sum()]).tolist()  # the one host read
-        counts = torch.zeros(num_segments, dtype=torch.long, device=ids.device).index_add_(0, segment, ones)
+        # Segments are the runs of equal keys (non-empty by construction), counted into E slots (at least S) so
+        # that one host read gives both sizes; memory O(E) whatever the ids.
+        new = torch.ones_like(segment_key, dtype=torch.bool)
+        new[1:] = segment_key[1:] != segment_key[:-1]
+        segment = torch.cumsum(new, 0) - 1
+        members = torch.zeros_like(segment).index_add_(0, segment, torch.ones_like(segment))
+        longest, num_segments = torch.stack([members.max(), segment[-1] + 1]).tolist()  # the one host read
+        counts = members[:num_segments]
         first = torch.cumsum(counts, 0) - counts
         rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
         member_slot = segment * longest + rank

@@ -84,7 +84,7 @@ import triton
 import triton.language as tl
 
 from ..._checks import check_qkv, check_softcap, fail, resolve_scale
-from ..triton_common import dot, tanh
+from ..triton_common import dot, on_device_of, tanh
 from .codes import sparse_codes
 
 # Running maximum of an empty row: finite, so exp2(m_old - m_new) never computes inf - inf.
@@ -438,10 +438,11 @@ def _forward(q_idx, q_val, k_idx, k_val, v, causal: bool, scale: float, softcap:
     tiles = tiling(v.device)
     out = torch.empty(batch, q_heads, q_len, dim, dtype=_written_dtype(v), device=v.device)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=v.device)
-    _fwd_kernel[(triton.cdiv(q_len, tiles.block_m), batch * q_heads)](
-        q_idx, q_val, k_idx, k_val, v, out, lse, q_len, k_len, scale, softcap or 1.0, GQA=q_heads // kv_heads,
-        TOPK=topk, HEAD_DIM=dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=causal, SPARSE=True,
-        SOFTCAP=softcap is not None, NATIVE=_native(v), num_warps=tiles.warps, num_stages=tiles.stages)
+    with on_device_of(v):
+        _fwd_kernel[(triton.cdiv(q_len, tiles.block_m), batch * q_heads)](
+            q_idx, q_val, k_idx, k_val, v, out, lse, q_len, k_len, scale, softcap or 1.0, GQA=q_heads // kv_heads,
+            TOPK=topk, HEAD_DIM=dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=causal, SPARSE=True,
+            SOFTCAP=softcap is not None, NATIVE=_native(v), num_warps=tiles.warps, num_stages=tiles.stages)
     return out.to(v.dtype), lse
 
 
@@ -460,10 +461,11 @@ def _backward(q_idx, q_val, k_idx, k_val, v, out, lse, grad_out, causal: bool, s
     meta = dict(GQA=q_heads // kv_heads, TOPK=topk, TOPK_POW2=triton.next_power_of_2(topk), HEAD_DIM=dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=causal, SOFTCAP=softcap is not None,
                 NATIVE=_native(v), num_warps=tiles.warps, num_stages=tiles.stages)
-    _bwd_dq_kernel[(triton.cdiv(q_len, tiles.block_m), batch * q_heads)](
-        q_idx, q_val, k_idx, k_val, v, grad_out, lse, delta, dq_val, *args, **meta)
-    _bwd_dkdv_kernel[(triton.cdiv(k_len, tiles.block_n), batch * kv_heads)](
-        q_idx, q_val, k_idx, k_val, v, grad_out, lse, delta, dk_val, dv, *args, **meta)
+    with on_device_of(v):
+        _bwd_dq_kernel[(triton.cdiv(q_len, tiles.block_m), batch * q_heads)](
+            q_idx, q_val, k_idx, k_val, v, grad_out, lse, delta, dq_val, *args, **meta)
+        _bwd_dkdv_kernel[(triton.cdiv(k_len, tiles.block_n), batch * kv_heads)](
+            q_idx, q_val, k_idx, k_val, v, grad_out, lse, delta, dk_val, dv, *args, **meta)
     return dq_val.to(q_val.dtype), dk_val.to(k_val.dtype), dv.to(v.dtype)
 
 
@@ -567,8 +569,9 @@ def dense_cuda_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tiles = tiling(q.device)
     out = torch.empty(q.shape, dtype=_written_dtype(q), device=q.device)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
-    _fwd_kernel[(triton.cdiv(q_len, tiles.block_m), batch * q_heads)](
-        q, q, k, k, v, out, lse, q_len, k_len, resolve_scale(scale, dim), 1.0, GQA=q_heads // kv_heads, TOPK=1,
-        HEAD_DIM=dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=bool(causal), SPARSE=False,
-        SOFTCAP=False, NATIVE=_native(v), num_warps=tiles.warps, num_stages=tiles.stages)
+    with on_device_of(q):
+        _fwd_kernel[(triton.cdiv(q_len, tiles.block_m), batch * q_heads)](
+            q, q, k, k, v, out, lse, q_len, k_len, resolve_scale(scale, dim), 1.0, GQA=q_heads // kv_heads, TOPK=1,
+            HEAD_DIM=dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=bool(causal), SPARSE=False,
+            SOFTCAP=False, NATIVE=_native(v), num_warps=tiles.warps, num_stages=tiles.stages)
     return out.to(q.dtype), lse
