@@ -110,10 +110,7 @@ class SortedGroups:
     later slots are padding. E memberships in all, each one copy of its token. Layouts move between token order and
     the segments by :func:`~sieve_attn.ops.gather.gather_rows` (one copy of each row)."""
 
-    segment: torch.Tensor        # [E] segment of each membership
-    rank: torch.Tensor           # [E] its slot in the segment (position order)
-    batch: torch.Tensor          # [E] its sequence
-    position: torch.Tensor       # [E] its token's position
+    member_token: torch.Tensor   # [E] the token (b * T + t) of each membership
     counts: torch.Tensor         # [S] members of each segment
     segment_group: torch.Tensor  # [S] group id of each segment
     slot_token: torch.Tensor     # [S * L] the token (b * T + t) in each slot, -1 for padding
@@ -154,8 +151,8 @@ class SortedGroups:
         if not multi:
             token_slot = torch.empty(batch * length, dtype=torch.long, device=ids.device)
             token_slot[token] = member_slot
-        return cls(segment, rank, token // length, token % length, counts, group[first], slot_token, member_slot,
-                   token_slot, batch, length, length=longest, multi=multi)
+        return cls(token, counts, group[first], slot_token, member_slot, token_slot, batch, length, length=longest,
+                   multi=multi)
 
     @property
     def num_segments(self) -> int:
@@ -174,9 +171,8 @@ class SortedGroups:
         token, its one row)."""
         if self.token_slot is not None:
             return _rows_of(y, self.token_slot, self.sequences, self.tokens)
-        tokens = self.batch * self.tokens + self.position
         rows = self.rows(y)
-        total = rows.new_zeros(self.sequences * self.tokens, *rows.shape[1:]).index_add_(0, tokens, rows)
+        total = rows.new_zeros(self.sequences * self.tokens, *rows.shape[1:]).index_add_(0, self.member_token, rows)
         return total.unflatten(0, (self.sequences, self.tokens)).transpose(1, 2)
 
     def slot_tokens(self) -> torch.Tensor:
@@ -334,8 +330,7 @@ class _Plan:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the kernel writes D unit-stride
             return self.window_kernel.forward(q, k, v, init=init, out=out)
         base = self._window_forward(q, k, v) if self.blocks else None
-        rows = self.sorted.batch * self.length + self.sorted.position
-        out, lse = merge_partials(base, self.sorted.rows(out_s), self.sorted.rows(lse_s), rows,
+        out, lse = merge_partials(base, self.sorted.rows(out_s), self.sorted.rows(lse_s), self.sorted.member_token,
                                   self.batch * self.length, dtype)
         out = out.unflatten(0, (self.batch, self.length)).transpose(1, 2).to(q.dtype).contiguous()
         return out, lse.unflatten(0, (self.batch, self.length)).transpose(1, 2).contiguous()

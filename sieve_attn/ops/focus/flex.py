@@ -58,8 +58,8 @@ def focus_attention_flex(q, k, v, groups: FocusGroups, *, window: int, causal: b
     if window > 0:  # window 0: the window set is empty (a token shares a group with itself)
         out_w, lse_w = attend(q, k, v, _window_block_mask(groups.bits, window, batch, length, q.device))
         base = out_w.transpose(1, 2).flatten(0, 1), lse_w.transpose(1, 2).flatten(0, 1)
-    out, lse = merge_partials(base, layout.rows(out_s), layout.rows(lse_s), layout.batch * length + layout.position,
-                              batch * length, torch.promote_types(q.dtype, torch.float32))
+    out, lse = merge_partials(base, layout.rows(out_s), layout.rows(lse_s), layout.member_token, batch * length,
+                              torch.promote_types(q.dtype, torch.float32))
     out = out.unflatten(0, (batch, length)).transpose(1, 2).to(q.dtype).contiguous()
     return out, lse.unflatten(0, (batch, length)).transpose(1, 2).float().contiguous()
 

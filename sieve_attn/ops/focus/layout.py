@@ -38,13 +38,14 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class TileLayout:
-    """Slots and tiles of one pair set. Slot tensors are [P] int32, tile tensors [P // block] int32 (int64 bits)."""
+    """Slots and tiles of one pair set. Slot tensors are [P] int32, tile tensors [P // block] int32 (tile_lower in
+    the dtype of the kernels' bit sets)."""
 
     block: int
     slot_token: torch.Tensor    # token position of each slot, -1 = padding
     slot_extra: torch.Tensor    # -1 for a token's rank-0 copy, else the copy's index in the extra-output buffers
     tile_batch: torch.Tensor    # sequence of each tile
-    tile_lower: torch.Tensor    # int64 bit set of the groups below the tile's group (0 in the window layout)
+    tile_lower: torch.Tensor    # bit set of the groups below the tile's group (0 in the window layout), the bits' dtype
     tile_seg_start: torch.Tensor  # first slot of the tile's segment
     tile_seg_end: torch.Tensor    # one past the last slot of the tile's segment (a multiple of block)
     num_extra: int              # copies of rank >= 1 (tokens with several memberships)
@@ -61,9 +62,9 @@ def _int32(*tensors):
 
 
 @functools.lru_cache(maxsize=16)
-def window_layout(batch: int, length: int, block: int, device) -> TileLayout:
-    """Layout of the window set: each of ``batch`` sequences of ``length`` tokens in order, padded to ``block``.
-    Cached: every layer of a model forward uses the same one."""
+def window_layout(batch: int, length: int, block: int, device, lower_dtype: torch.dtype = torch.int64) -> TileLayout:
+    """Layout of the window set: each of ``batch`` sequences of ``length`` tokens in order, padded to ``block``;
+    ``tile_lower`` (zeros) comes in ``lower_dtype``. Cached: every layer of a model forward uses the same one."""
     tiles_per_seq = -(-length // block)
     padded = tiles_per_seq * block
     position = torch.arange(padded, device=device)
@@ -71,7 +72,8 @@ def window_layout(batch: int, length: int, block: int, device) -> TileLayout:
     tile_batch = torch.arange(batch, device=device).repeat_interleave(tiles_per_seq)
     seg_start = tile_batch * padded
     return TileLayout(block, *_int32(slot_token, torch.full_like(slot_token, -1), tile_batch),
-                      torch.zeros_like(tile_batch), *_int32(seg_start, seg_start + padded), num_extra=0)
+                      torch.zeros_like(tile_batch, dtype=lower_dtype), *_int32(seg_start, seg_start + padded),
+                      num_extra=0)
 
 
 def group_layout(groups: torch.Tensor, bits: torch.Tensor, block: int, num_groups: int,

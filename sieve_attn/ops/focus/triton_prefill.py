@@ -367,7 +367,7 @@ class _Kernels:
         # With ids < 31 the bit sets fit 32-bit integers, whose masks cost half the instructions of 64-bit ones.
         self.bits_dtype = torch.int32 if num_groups <= 31 else torch.int64
         self.bits = bits.to(self.bits_dtype).contiguous()
-        self.window_layout = window_layout(batch, length, self.tiles.layout, device)
+        self.window_layout = window_layout(batch, length, self.tiles.layout, device, self.bits_dtype)
         self.window, self.causal, self.scale = window, causal, scale
         self.softcap = softcap
 
@@ -381,10 +381,9 @@ class _Kernels:
             extra = (out.new_empty(1, heads, q.shape[3], dtype=torch.float32),
                      lse.new_empty(1, heads, dtype=torch.float32))
         init_out, init_lse = init if init is not None else (out, lse)  # unread without init
-        lower = layout.tile_lower.to(self.bits_dtype)
         _fwd_kernel[(layout.num_tiles * self.tiles.layout // self.tiles.fwd_m, heads)](
-            q, k, v, self.bits, layout.slot_token, layout.slot_extra, layout.tile_batch, lower, layout.tile_seg_start,
-            layout.tile_seg_end, init_out, init_lse, out, lse, *extra, *_strides(q), *_strides(k), *_strides(v),
+            q, k, v, self.bits, layout.slot_token, layout.slot_extra, layout.tile_batch, layout.tile_lower,
+            layout.tile_seg_start, layout.tile_seg_end, init_out, init_lse, out, lse, *extra, *_strides(q), *_strides(k), *_strides(v),
             *_strides(out), *_strides(init_out), *self._scalars(q), HAS_INIT=init is not None,
             BLOCK_M=self.tiles.fwd_m, BLOCK_N=self.tiles.fwd_n, num_warps=self.tiles.fwd_warps,
             num_stages=self.tiles.fwd_stages, **self._meta(q, window_set, multi))
@@ -395,8 +394,8 @@ class _Kernels:
         tiles = self.tiles
         meta = dict(BLOCK=tiles.bwd, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
                     **self._meta(q, window_set, multi))
-        tables = (self.bits, layout.slot_token, layout.tile_batch, layout.tile_lower.to(self.bits_dtype),
-                  layout.tile_seg_start, layout.tile_seg_end)
+        tables = (self.bits, layout.slot_token, layout.tile_batch, layout.tile_lower, layout.tile_seg_start,
+                  layout.tile_seg_end)
         strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
         programs = layout.num_tiles * tiles.layout // tiles.bwd
         _bwd_dq_kernel[(programs, q.shape[1])](q, k, v, grad_out, lse, delta, dq, *tables, *strides,
