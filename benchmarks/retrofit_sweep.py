@@ -38,6 +38,11 @@ CONFIGS = {
     "sink4": {"sink_tokens": 4},
     "w256-k16": {"window": 256, "num_groups": 16},
     "w256-sink4": {"window": 256, "sink_tokens": 4},
+    # the soft gate trained on the causal routing it is evaluated with (decision 1's strictly causal variant)
+    "w256-causal": {"window": 256, "train_routing": "causal"},
+    "w256-k16-causal": {"window": 256, "num_groups": 16, "train_routing": "causal"},
+    "w384-causal": {"window": 384, "train_routing": "causal"},
+    "w384-k16-causal": {"window": 384, "num_groups": 16, "train_routing": "causal"},
 }
 
 
@@ -45,7 +50,8 @@ def windows(args, tokenizer) -> dict:
     if args.windows:
         return torch.load(args.windows)
     train, held = stdlib_split()
-    data = {"train": token_windows(tokenizer, train, args.context), "held_out": token_windows(tokenizer, held, args.context)}
+    data = {"train": token_windows(tokenizer, train, args.context),
+            "held_out": token_windows(tokenizer, held, args.context)}
     if GPL3.is_file():
         data["gpl3"] = token_windows(tokenizer, [GPL3], args.context)
     return data
@@ -71,6 +77,8 @@ def main():
     parser.add_argument("--windows", default=None, help="prepared token windows (torch file)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seeds the routers' random start and the window order (default: a random start)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/retrofit_sweep"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -84,12 +92,14 @@ def main():
     for name in args.configs.split(","):
         started = time.time()
         config = sa.FocusConfig(**CONFIGS[name])
+        if args.seed is not None:
+            torch.manual_seed(args.seed)  # compose draws the routers' start from torch's default generator
         model = sa.compose(copy.deepcopy(base), config)
         settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                                    checkpoint_every=args.steps)
+                                    checkpoint_every=args.steps, seed=args.seed or 0)
         trained = retrofit(model, data["train"], args.out / "runs" / name, settings, progress=False)
         print(name, "trained in", round(time.time() - started, 1), "s; loss", trained["history"][-1], flush=True)
-        record = {"config_name": name, "focus_config": config.to_dict(), "steps": args.steps,
+        record = {"config_name": name, "focus_config": config.to_dict(), "steps": args.steps, "seed": args.seed,
                   "batch_size": args.batch_size, "lr": args.lr, "context": args.context,
                   "train_tokens": args.steps * args.batch_size * args.context, "loss_history": trained["history"],
                   "router_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
@@ -121,7 +131,8 @@ def plot(folder: Path) -> None:
         rows = record["held_out"]
         dense = rows[0]["ppl"]
         hard = [r for r in rows if r["mode"] == "hard"]
-        label = f"{record['config_name']} (K={record['focus_config']['num_groups']}, w={record['focus_config']['window']})"
+        config = record["focus_config"]
+        label = f"{record['config_name']} (K={config['num_groups']}, w={config['window']})"
         line, = ax.plot([100 * r["pairs_attended"] for r in hard], [100 * (r["ppl"] / dense - 1) for r in hard],
                         marker="o", label=label)
         for r in hard:

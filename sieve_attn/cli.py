@@ -24,7 +24,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 # The best setting measured on SmolLM2-135M (docs/results.md): the demo's defaults.
-DEMO_FOCUS = {"num_groups": 16, "window": 256, "top_k": 3}
+DEMO_FOCUS = {"num_groups": 8, "window": 256, "top_k": 1, "train_routing": "causal"}
 
 
 def _focus_args(parser: argparse.ArgumentParser, **defaults) -> None:

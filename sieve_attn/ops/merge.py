@@ -5,13 +5,19 @@ the result over the union is lse = logsumexp_s(lse_s) and o = sum_s exp(lse_s - 
 lse_s = -inf and weight 0; a query whose sets are all empty gets o = 0 and lse = -inf (the FlashAttention convention).
 
 :func:`merge_partials` is the merge (functional, differentiable); :func:`merge_extra_partials` applies it in place to
-rows of a [B, H, T, D] result. Neither synchronises with the host.
+rows of a [B, H, T, D] result; :func:`merge_indexed` merges one more partial into each row, by one Triton kernel on
+CUDA. None synchronises with the host.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+from .triton_common import jit, triton
+
+if triton is not None:
+    import triton.language as tl
 
 
 def merge_partials(base: Optional[tuple[torch.Tensor, torch.Tensor]], out_rows: torch.Tensor,
@@ -53,18 +59,27 @@ def merge_partials(base: Optional[tuple[torch.Tensor, torch.Tensor]], out_rows: 
 
 
 def merge_extra_partials(out: torch.Tensor, lse: torch.Tensor, extra_out: torch.Tensor, extra_lse: torch.Tensor,
-                         batch_index: torch.Tensor, token_index: torch.Tensor) -> None:
-    """Merges extra partials into ``out`` and ``lse`` in place, by :func:`merge_partials` in float32.
+                         batch_index: torch.Tensor, token_index: torch.Tensor, one_per_row: bool = False) -> None:
+    """Merges extra partials into ``out`` and ``lse`` in place.
 
     out [B, H, T, D] (any float dtype) and lse [B, H, T] (float32) hold one partial per query; extra_out [E, H, D]
     and extra_lse [E, H] (float32) hold E more, the e-th for query token ``token_index[e]`` of sequence
     ``batch_index[e]`` (a token may receive several). Rows no extra partial points at are left untouched; a row whose
-    partials all have lse -inf gets out 0 and lse -inf. Only the E rows pointed at are read and written.
+    partials all have lse -inf gets out 0 and lse -inf.
+
+    With ``one_per_row`` (no token receives two), one :func:`merge_indexed` pass over the rows (one kernel on
+    CUDA). Otherwise :func:`merge_partials` in float32 merges all partials of a row at once, reading and writing only
+    the E rows pointed at.
     """
     extras = extra_out.shape[0]
     if extras == 0:
         return
     batch_index, token_index = batch_index.long(), token_index.long()
+    if one_per_row:
+        index = torch.full((out.shape[0] * out.shape[2],), -1, dtype=torch.long, device=out.device)
+        index[batch_index * out.shape[2] + token_index] = torch.arange(extras, device=out.device)
+        merge_indexed(out, lse, extra_out[:, :, None], extra_lse[:, :, None], index, result=(out, lse))
+        return
     # Row of each extra = its row's first extra (a host-sync-free torch.unique): merged there, then copied back to
     # every extra of the row (equal values, so duplicate writes agree).
     rows = batch_index * out.shape[2] + token_index
@@ -74,3 +89,99 @@ def merge_extra_partials(out: torch.Tensor, lse: torch.Tensor, extra_out: torch.
     merged_out, merged_lse = merge_partials(base, extra_out, extra_lse, first, extras)
     out[batch_index, :, token_index, :] = merged_out[first].to(out.dtype)
     lse[batch_index, :, token_index] = merged_lse[first].to(lse.dtype)
+
+
+def merge_indexed(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+                  index: torch.Tensor, result: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges a second partial into each query's: ``out`` [B, H, T, D] and ``lse`` [B, H, T] (float32) hold one
+    partial per query; ``part_out`` [A, H, I, D] and ``part_lse`` [A, H, I] hold others, and query row n = b * T + t
+    takes part row ``index[n]`` (int64 [B * T], = a * I + i), or none where it is -1. Any strides.
+
+    The result goes to ``result`` = (out [B, H, T, D], lse [B, H, T] float32), which may be ``out`` and ``lse``
+    themselves (each row is read before it is written), or to new contiguous tensors of ``out``'s dtype. A row whose
+    partials are all empty (lse -inf) gets out 0 and lse -inf. No autograd (the decomposition and the Triton
+    backend handle gradients themselves). On CUDA :func:`merge_indexed_triton`, one kernel that reads each row
+    once; elsewhere :func:`merge_indexed_reference`. Returns the result.
+    """
+    on_gpu = triton is not None and out.device.type == "cuda"
+    return (merge_indexed_triton if on_gpu else merge_indexed_reference)(out, lse, part_out, part_lse, index, result)
+
+
+def _result_of(out, lse, result):
+    if result is not None:
+        return result
+    return (torch.empty(out.shape, dtype=out.dtype, device=out.device),
+            torch.empty(lse.shape, dtype=torch.float32, device=out.device))
+
+
+def merge_indexed_reference(out, lse, part_out, part_lse, index, result=None):
+    """:func:`merge_indexed` by :func:`merge_partials`."""
+    result = _result_of(out, lse, result)
+    batch, heads, length, dim = out.shape
+    rows_out = out.transpose(1, 2).reshape(batch * length, heads, dim)
+    rows_lse = lse.transpose(1, 2).reshape(batch * length, heads)
+    # a row without a part takes any part row at weight 0 (lse -inf)
+    taken = index.clamp_min(0)
+    flat_out = part_out.transpose(1, 2).reshape(-1, heads, dim)[taken]
+    flat_lse = part_lse.transpose(1, 2).reshape(-1, heads)[taken].masked_fill((index < 0)[:, None], float("-inf"))
+    merged, merged_lse = merge_partials((rows_out, rows_lse), flat_out, flat_lse,
+                                        torch.arange(batch * length, device=out.device), batch * length,
+                                        torch.promote_types(out.dtype, torch.float32))
+    result[0].copy_(merged.view(batch, length, heads, dim).transpose(1, 2))
+    result[1].copy_(merged_lse.view(batch, length, heads).transpose(1, 2))
+    return result
+
+
+def merge_indexed_triton(out, lse, part_out, part_lse, index, result=None):
+    """:func:`merge_indexed` by the Triton kernel (CUDA, or the interpreter)."""
+    result_out, result_lse = _result_of(out, lse, result)
+    batch, heads, length, dim = out.shape
+    out, part_out = (t if t.stride(-1) == 1 else t.contiguous() for t in (out, part_out))
+    # the kernel stores features unit-stride
+    target = result_out if result_out.stride(-1) == 1 else torch.empty(result_out.shape, dtype=result_out.dtype,
+                                                                       device=result_out.device)
+    count = batch * length
+    _merge_indexed_kernel[(triton.cdiv(count, _MERGE_ROWS), heads)](
+        out, lse, part_out, part_lse, index.contiguous(), target, result_lse, count, length, part_out.shape[2],
+        *out.stride()[:3], *lse.stride(), *part_out.stride()[:3], *part_lse.stride(), *target.stride()[:3],
+        *result_lse.stride(), dim, ROWS=_MERGE_ROWS, BLOCK_D=triton.next_power_of_2(dim))
+    if target is not result_out:
+        result_out.copy_(target)
+    return result_out, result_lse
+
+
+# Query rows per program of the merge kernel (one head each).
+_MERGE_ROWS = 32
+
+
+@jit
+def _merge_indexed_kernel(O, L, PO, PL, INDEX, RO, RL, count, length, part_inner,
+                          s_ob, s_oh, s_ot, s_lb, s_lh, s_lt, s_pa, s_ph, s_pi, s_qa, s_qh, s_qi,
+                          s_rb, s_rh, s_rt, s_sb, s_sh, s_st, dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    head = tl.program_id(1).to(tl.int64)
+    n = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    live = n < count
+    b, t = n // length, n % length
+    p = tl.load(INDEX + n, mask=live, other=-1).to(tl.int64)
+    has = p >= 0
+    a, i = tl.maximum(p, 0) // part_inner, tl.maximum(p, 0) % part_inner
+    d = tl.arange(0, BLOCK_D)
+    cols = (d < dim)[None, :]
+    lse_o = tl.load(L + b * s_lb + head * s_lh + t * s_lt, mask=live, other=float("-inf"))
+    lse_p = tl.load(PL + a * s_qa + head * s_qh + i * s_qi, mask=live & has, other=float("-inf")).to(tl.float32)
+    top = tl.maximum(lse_o, lse_p)
+    top = tl.where(top == float("-inf"), 0.0, top)  # both empty: weights 0, no -inf - -inf
+    w_o, w_p = tl.exp(lse_o - top), tl.exp(lse_p - top)
+    total = w_o + w_p
+    # A partial of weight 0 is not read, so whatever an empty row holds cannot turn into NaN.
+    o = tl.load(O + (b * s_ob + head * s_oh + t * s_ot)[:, None] + d[None, :], mask=(live & (w_o > 0))[:, None] & cols,
+                other=0.0).to(tl.float32)
+    po = tl.load(PO + (a * s_pa + head * s_ph + i * s_pi)[:, None] + d[None, :],
+                 mask=(live & (w_p > 0))[:, None] & cols, other=0.0).to(tl.float32)
+    filled = total > 0
+    safe = tl.where(filled, total, 1.0)
+    merged = (w_o[:, None] * o + w_p[:, None] * po) / safe[:, None]
+    tl.store(RO + (b * s_rb + head * s_rh + t * s_rt)[:, None] + d[None, :], merged.to(RO.dtype.element_ty),
+             mask=live[:, None] & cols)
+    tl.store(RL + b * s_sb + head * s_sh + t * s_st, tl.where(filled, top + tl.log(safe), float("-inf")), mask=live)

@@ -6,6 +6,7 @@ import torch
 
 from sieve_attn import FocusGroups, focus_attention
 from sieve_attn.ops.focus.reference import group_bits
+from sieve_attn.ops import merge as merge_module
 from sieve_attn.ops.merge import merge_extra_partials, merge_partials
 
 
@@ -106,6 +107,30 @@ def test_merge_of_extra_partials_takes_several_per_token():
     for t, keys in enumerate([slice(0, 8), slice(0, 7), slice(0, 2)]):
         torch.testing.assert_close(out[0, 0, t], torch.softmax(scores[t, keys], 0) @ v[keys])
         torch.testing.assert_close(lse[0, 0, t], torch.logsumexp(scores[t, keys], 0))
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_merge_of_one_extra_partial_per_token_takes_one_pass(kernel, monkeypatch):
+    """The one-per-row pass (one kernel on CUDA) gives what the merge of all partials at once gives; token 1 gets
+    no extra, token 3's is over an empty set."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(merge_module, "merge_indexed", merge_module.merge_indexed_triton)
+    torch.manual_seed(3)
+    scores, v = torch.randn(2, 4, 8), torch.randn(8, 3)
+    base = [[_key_set_partials(scores[b, t], v, [[0, 1]]) for t in range(4)] for b in range(2)]
+    out = torch.stack([torch.stack([o[:, None] for o, _ in row], 2) for row in base])[:, 0]  # [B=2, H=1, T=4, D]
+    lse = torch.stack([torch.stack([l for _, l in row], 1) for row in base])              # [B, H, T]
+    extra_out, extra_lse = zip(*(_key_set_partials(scores[b, t], v, [keys]) for b, t, keys in
+                                 [(0, 2, [2, 3]), (1, 0, [2, 5]), (0, 0, [4, 5, 6]), (0, 3, []), (1, 3, [7])]))
+    extras = (torch.cat(extra_out)[:, None], torch.cat(extra_lse)[:, None], torch.tensor([0, 1, 0, 0, 1]),
+              torch.tensor([2, 0, 0, 3, 3]))
+    want_out, want_lse = out.clone(), lse.clone()
+    merge_extra_partials(want_out, want_lse, *extras)
+    merge_extra_partials(out, lse, *extras, one_per_row=True)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    assert torch.equal(out[0, 0, 1], torch.stack([o for o, _ in base[0]])[1, 0])  # no extra: untouched
 
 
 def test_decode_checks_only_new_tokens_for_nan_and_refuses_them():

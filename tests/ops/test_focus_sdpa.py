@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sieve_attn.ops.focus.decomposed as decomposed
-from sieve_attn.ops import gather
+from sieve_attn.ops import gather, merge
 from sieve_attn.ops.focus import sdpa_ops
 from sieve_attn.ops.focus.attention import focus_attention, focus_backend
 from sieve_attn.ops.focus.decomposed import SortedGroups
@@ -132,22 +132,21 @@ WINDOW_KERNEL_CASES = ["mha-top1", "gqa-top2-sink", "mqa-top2-noncausal", "long-
 
 @pytest.mark.parametrize("case", WINDOW_KERNEL_CASES)
 def test_window_kernel_in_the_decomposition_matches_reference(case, monkeypatch):
-    # On CUDA the window set runs as the Triton window kernel and the layouts are gathered by the Triton gather
-    # kernel (CASES above take both there); here the interpreter runs them. One membership per token: the kernel
-    # continues each query from the group set; several: merged partials.
-    WindowSet = pytest.importorskip("sieve_attn.ops.focus.triton_prefill").WindowSet
-    calls = []
-    window_forward = WindowSet.forward
+    # On CUDA the window set runs as the Triton window kernel, the layouts are gathered by the Triton gather kernel
+    # and one membership per token merges by the Triton merge kernel (CASES above take all three there); here the
+    # interpreter runs them. Several memberships: merged partials in PyTorch.
+    pytest.importorskip("triton")
+    merges = []
 
-    def counted(self, *args, **kwargs):
-        calls.append(kwargs.get("init") is not None)
-        return window_forward(self, *args, **kwargs)
+    def merge_kernel(*args):
+        merges.append(args)
+        return merge.merge_indexed_triton(*args)
 
-    monkeypatch.setattr(WindowSet, "forward", counted)
     monkeypatch.setattr(decomposed, "window_kernel_serves", lambda q, groups: groups.bits is not None)
     monkeypatch.setattr(decomposed, "gather_rows", gather.gather_rows_triton)  # the packing CUDA runs, too
+    monkeypatch.setattr(decomposed, "merge_indexed", merge_kernel)
     check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
-    assert calls == [CASES[case][6] == 1]  # the one sdpa run: with init exactly when each token has one group
+    assert len(merges) == (CASES[case][6] == 1)  # the one sdpa run: the merge kernel exactly with one group each
 
 
 def test_window_kernel_writes_a_contiguous_output_for_a_strided_q(monkeypatch):

@@ -18,8 +18,9 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
 
 Together the sets are exactly the pattern, so merging their partial results (out, lse) by log-sum-exp, with those of
 a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite. With one
-membership per token and the window kernel, the merge costs no pass of its own: the kernel starts each query's
-softmax from its group-set partial.
+membership per token and the window kernel, the window set is computed first: it needs no sorted layout, so the
+device works on it while the host waits for the layout's sizes (the one host read) and launches the group set;
+one kernel then merges each token's two partials (:func:`~sieve_attn.ops.merge.merge_indexed`).
 
 Backward (the FlashAttention-2 identity): given the final output O and log-sum-exp L of each query, a pair's gradient
 depends only on that pair: P_ij = exp(s_ij - L_i), dS_ij = P_ij (dO_i . v_j - dO_i . O_i). So each fused call's own
@@ -40,7 +41,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..gather import gather_rows
-from ..merge import merge_partials
+from ..merge import merge_indexed, merge_partials
 from ..triton_common import kernel_blocker, on_device_of
 from .groups import FocusGroups
 from .sdpa_ops import causal_call, masked_family
@@ -124,6 +125,14 @@ class SortedGroups:
     @classmethod
     def of(cls, ids: torch.Tensor, num_groups: int) -> "SortedGroups":
         """ids: [B, T, m] int64, -1 = empty slot, every token in at least one group (validated)."""
+        return cls.start(ids, num_groups).finish()
+
+    @classmethod
+    def start(cls, ids: torch.Tensor, num_groups: int) -> "_SortInFlight":
+        """:meth:`of` in two halves: this one queues the device work and the read of the two sizes that shape the
+        layout (the longest segment and the number of segments); :meth:`_SortInFlight.finish` waits for that read.
+        Work queued in between runs on the device while the host waits, and with one slot per token the host
+        waits for nothing else (the nonzero of several slots reads the device once more)."""
         batch, length, slots = ids.shape
         flat = ids.reshape(-1)
         # one slot per token: every entry is a membership (validated), so nonzero and its host read are not needed
@@ -134,25 +143,17 @@ class SortedGroups:
         key, order = torch.sort(((token // length) * num_groups + group) * length + token % length)
         token, group, segment_key = token[order], group[order], key // length
         # Segments are the runs of equal keys (non-empty by construction), counted into E slots (at least S) so
-        # that one host read gives both sizes; memory O(E) whatever the ids.
+        # that one read gives both sizes; memory O(E) whatever the ids.
         new = torch.ones_like(segment_key, dtype=torch.bool)
         new[1:] = segment_key[1:] != segment_key[:-1]
         segment = torch.cumsum(new, 0) - 1
         members = torch.zeros_like(segment).index_add_(0, segment, torch.ones_like(segment))
-        longest, num_segments = torch.stack([members.max(), segment[-1] + 1]).tolist()  # the one host read
-        counts = members[:num_segments]
-        first = torch.cumsum(counts, 0) - counts
+        first = torch.cumsum(members, 0) - members  # of each segment; the entries past the S-th are unused
         rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
-        member_slot = segment * longest + rank
-        slot_token = torch.full((num_segments * longest,), -1, dtype=torch.long, device=ids.device)
-        slot_token[member_slot] = token
-        multi = entry.numel() > batch * length
-        token_slot = None
-        if not multi:
-            token_slot = torch.empty(batch * length, dtype=torch.long, device=ids.device)
-            token_slot[token] = member_slot
-        return cls(token, counts, group[first], slot_token, member_slot, token_slot, batch, length, length=longest,
-                   multi=multi)
+        segment_group = torch.zeros_like(segment).scatter_(0, segment, group)
+        return _SortInFlight(token, segment, rank, members, segment_group, batch, length,
+                             multi=entry.numel() > batch * length,
+                             sizes=_read_later(torch.stack([members.max(), segment[-1] + 1])))
 
     @property
     def num_segments(self) -> int:
@@ -178,6 +179,50 @@ class SortedGroups:
     def slot_tokens(self) -> torch.Tensor:
         """[S, L] int64: the token (b * T + t) in each slot, -1 for padding."""
         return self.slot_token.view(self.num_segments, self.length)
+
+
+def _read_later(values: torch.Tensor):
+    """A function returning ``values.tolist()``. On CUDA the copy to the host is queued now (pinned memory, an
+    event after it), so work queued after this call overlaps the wait for it."""
+    if values.device.type != "cuda":
+        return values.tolist
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read():
+        copied.synchronize()
+        return host.tolist()
+    return read
+
+
+@dataclass(frozen=True)
+class _SortInFlight:
+    """The device half of :meth:`SortedGroups.of`, before the read of the sizes (E memberships, sorted)."""
+
+    token: torch.Tensor          # [E] the token of each membership
+    segment: torch.Tensor        # [E] its segment
+    rank: torch.Tensor           # [E] its place in the segment
+    members: torch.Tensor        # [E] members of segment s at s < S, zeros after
+    segment_group: torch.Tensor  # [E] the group of segment s at s < S
+    sequences: int
+    tokens: int
+    multi: bool
+    sizes: object                # () -> [longest, number of segments]
+
+    def finish(self) -> SortedGroups:
+        longest, num_segments = self.sizes()
+        member_slot = self.segment * longest + self.rank
+        device = self.token.device
+        slot_token = torch.full((num_segments * longest,), -1, dtype=torch.long, device=device)
+        slot_token[member_slot] = self.token
+        token_slot = None
+        if not self.multi:
+            token_slot = torch.empty(self.sequences * self.tokens, dtype=torch.long, device=device)
+            token_slot[self.token] = member_slot
+        return SortedGroups(self.token, self.members[:num_segments], self.segment_group[:num_segments], slot_token,
+                            member_slot, token_slot, self.sequences, self.tokens, length=longest, multi=self.multi)
 
 
 def _rows_of(x: torch.Tensor, index: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
@@ -303,7 +348,10 @@ class _Plan:
 
     def __init__(self, groups: FocusGroups, q, k, *, window: int, causal: bool, scale: float):
         self.batch, self.length = q.shape[0], q.shape[2]
-        self.sorted = SortedGroups.of(groups.ids, groups.num_groups)
+        # Resolved at first use (:attr:`sorted`): the forward queues the window set before it waits for the read.
+        self._sorting = SortedGroups.start(groups.ids, groups.num_groups)
+        self._sorted = None
+        self.multi = self._sorting.multi
         self.sets = _TokenSets(groups)
         self.window, self.causal, self.scale = window, causal, scale
         # window 0: the window set is empty (a token always shares a group with itself)
@@ -313,22 +361,32 @@ class _Plan:
             from .triton_prefill import WindowSet  # it imports this module
             self.window_kernel = WindowSet(groups.bits, groups.num_groups, self.batch, self.length, k.shape[1],
                                            window, causal, scale, None, q.device)
-        self.fast = causal and not self.sorted.multi
+        self.fast = causal and not self.multi
         self.masked = masked_family(q.device)
         self.causal_family = None
         self.saved: dict = {}
+
+    @property
+    def sorted(self) -> SortedGroups:
+        if self._sorted is None:
+            self._sorted, self._sorting = self._sorting.finish(), None
+        return self._sorted
 
     # ------------------------------------------------------------------------------------------------ both sets
 
     def forward(self, q, k, v):
         """(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32, float64 for float64 inputs)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
+        if self.window_kernel is not None and not self.multi:
+            # The window set needs no sorted layout: queued first, it keeps the device busy while the host waits
+            # for the layout's sizes and launches the group set. One partial per token: one merge kernel reads
+            # each token's group-set row in place.
+            window_out, window_lse = self.window_kernel.forward(q, k, v)
+            out_s, lse_s = self._group_forward(q, k, v)
+            result = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                      torch.empty(window_lse.shape, dtype=torch.float32, device=q.device))
+            return merge_indexed(window_out, window_lse, out_s, lse_s, self.sorted.token_slot, result)
         out_s, lse_s = self._group_forward(q, k, v)
-        if self.window_kernel is not None and not self.sorted.multi:
-            # one partial per token: the window kernel continues each query's softmax from its group-set partial
-            init = self.sorted.to_tokens(out_s), self.sorted.to_tokens(lse_s.float())
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the kernel writes D unit-stride
-            return self.window_kernel.forward(q, k, v, init=init, out=out)
         base = self._window_forward(q, k, v) if self.blocks else None
         out, lse = merge_partials(base, self.sorted.rows(out_s), self.sorted.rows(lse_s), self.sorted.member_token,
                                   self.batch * self.length, dtype)
@@ -362,7 +420,7 @@ class _Plan:
         if self.causal:
             device = slot_tokens.device
             allowed &= torch.arange(keys, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
-        if self.sorted.multi:
+        if self.multi:
             allowed &= ~self.sets.shared(q_tok, k_tok, below=self.sorted.segment_group)
         return allowed[:, None]
 

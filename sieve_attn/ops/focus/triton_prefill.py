@@ -383,7 +383,8 @@ class _Kernels:
         init_out, init_lse = init if init is not None else (out, lse)  # unread without init
         _fwd_kernel[(layout.num_tiles * self.tiles.layout // self.tiles.fwd_m, heads)](
             q, k, v, self.bits, layout.slot_token, layout.slot_extra, layout.tile_batch, layout.tile_lower,
-            layout.tile_seg_start, layout.tile_seg_end, init_out, init_lse, out, lse, *extra, *_strides(q), *_strides(k), *_strides(v),
+            layout.tile_seg_start, layout.tile_seg_end, init_out, init_lse, out, lse, *extra, *_strides(q),
+            *_strides(k), *_strides(v),
             *_strides(out), *_strides(init_out), *self._scalars(q), HAS_INIT=init is not None,
             BLOCK_M=self.tiles.fwd_m, BLOCK_N=self.tiles.fwd_n, num_warps=self.tiles.fwd_warps,
             num_stages=self.tiles.fwd_stages, **self._meta(q, window_set, multi))
@@ -426,16 +427,15 @@ class WindowSet(_Kernels):
     """The window set alone (local pairs that share no group), for a backend that computes the group set otherwise
     (:mod:`.decomposed` on CUDA). ``bits`` [B, T] are the tokens' group bit sets (ids < ``num_groups`` <= 63)."""
 
-    def forward(self, q, k, v, init=None, out=None):
-        """(out, lse [B, Hq, T] float32) over the window set; with ``init`` = (out, lse) of the group set, each query
-        continues its softmax from there, so the result is the whole pattern's. ``out`` [B, Hq, T, D] (any strides)
-        receives it: by default a float32 buffer laid out token-major ([B, T, Hq, D] in memory)."""
+    def forward(self, q, k, v):
+        """The window set's partial result: (out [B, Hq, T, D] float32, laid out token-major ([B, T, Hq, D] in
+        memory), lse [B, Hq, T] float32); a query none of whose window keys is in the set (the first token, say)
+        gets out 0 and lse -inf."""
         batch, heads, length, dim = q.shape
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        if out is None:
-            out = torch.empty(batch, length, heads, dim, dtype=torch.float32, device=q.device).transpose(1, 2)
+        out = torch.empty(batch, length, heads, dim, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
-        self._launch_forward(self.window_layout, True, False, q, k, v, init, out, lse)
+        self._launch_forward(self.window_layout, True, False, q, k, v, None, out, lse)
         return out, lse
 
     def backward(self, q, k, v, out, lse, grad_out, grads=None):
@@ -454,6 +454,7 @@ class _Pattern(_Kernels):
         super().__init__(bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device)
         self.group_layout = group_layout(groups, bits, self.tiles.layout, num_groups, self.bits_dtype)
         self.multi = self.group_layout.num_extra > 0
+        self.slots = groups.shape[2]  # two: each token has at most one extra copy
 
     def sets(self):
         """(layout, WINDOW_SET, MULTI) of the two pair sets, window first."""
@@ -471,7 +472,7 @@ class _Pattern(_Kernels):
                  torch.empty(max(grp.num_extra, 1), heads, dtype=torch.float32, device=q.device))
         self._launch_forward(grp, False, self.multi, q, k, v, (partial, partial_lse), out, lse, extra)
         if self.multi:
-            merge_extra_partials(out, lse, *extra, grp.extra_batch, grp.extra_token)
+            merge_extra_partials(out, lse, *extra, grp.extra_batch, grp.extra_token, one_per_row=self.slots == 2)
         return out, lse
 
     def backward(self, q, k, v, out, lse, grad_out):

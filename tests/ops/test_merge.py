@@ -1,0 +1,99 @@
+"""merge_indexed: the Triton kernel (the interpreter on the CPU) and its PyTorch reference against the log-sum-exp
+merge computed directly in float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sieve_attn.ops import merge
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VARIANTS = ["reference", "triton"]
+
+
+def _partials(batch, heads, length, dim, parts, inner, dtype, seed, token_major):
+    """(out [B, H, T, D], lse [B, H, T], part_out [A, H, I, D], part_lse [A, H, I], index [B * T]): lse -inf in some
+    rows of both partials (out 0 there, as the kernels leave empty rows), index -1 in others."""
+    gen = torch.Generator().manual_seed(seed)
+    if token_major:  # the window kernel's float32 partial: [B, T, H, D] in memory
+        out = torch.randn(batch, length, heads, dim, generator=gen).transpose(1, 2)
+    else:
+        out = torch.randn(batch, heads, length, dim, generator=gen)
+    lse = torch.randn(batch, heads, length, generator=gen) * 3
+    part_out = torch.randn(parts, inner, heads, dim, generator=gen).transpose(1, 2)  # cuDNN's layout
+    part_lse = torch.randn(parts, heads, inner, generator=gen) * 3
+    lse[:, :, ::4] = float("-inf")
+    out[:, :, ::4] = 0.0
+    part_lse[:, :, 1::3] = float("-inf")
+    part_out[:, :, 1::3] = 0.0
+    index = torch.randint(0, parts * inner, (batch * length,), generator=gen)
+    index[::5] = -1
+    return out.to(DEVICE, dtype), lse.to(DEVICE), part_out.to(DEVICE, dtype), part_lse.to(DEVICE), index.to(DEVICE)
+
+
+def _expected(out, lse, part_out, part_lse, index):
+    """The merge row by row in float64."""
+    batch, heads, length, dim = out.shape
+    want_out = torch.zeros(batch, heads, length, dim, dtype=torch.float64)
+    want_lse = torch.full((batch, heads, length), float("-inf"), dtype=torch.float64)
+    part_rows = part_out.double().cpu().transpose(1, 2).reshape(-1, heads, dim)
+    part_stats = part_lse.double().cpu().transpose(1, 2).reshape(-1, heads)
+    for n in range(batch * length):
+        b, t = divmod(n, length)
+        lses, outs = [lse[b, :, t].double().cpu()], [out[b, :, t].double().cpu()]
+        if index[n] >= 0:
+            lses.append(part_stats[index[n]])
+            outs.append(part_rows[index[n]])
+        stacked = torch.stack(lses)  # [parts, H]
+        total = torch.logsumexp(stacked, 0)
+        weights = torch.where(torch.isfinite(total), torch.exp(stacked - total), 0.0).nan_to_num(0.0)
+        want_out[b, :, t] = (weights[..., None] * torch.stack(outs)).sum(0)
+        want_lse[b, :, t] = total
+    return want_out, want_lse
+
+
+def _run(variant, *args, result=None):
+    if variant == "triton":
+        pytest.importorskip("triton")
+        return merge.merge_indexed_triton(*args, result)
+    return merge.merge_indexed_reference(*args, result)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("batch, heads, length, dim, parts, inner, dtype, token_major", [
+    (1, 2, 37, 16, 5, 9, torch.float32, True),      # packed segments, odd length, token-major partial
+    (2, 3, 20, 24, 40, 1, torch.float32, False),    # rows of extra copies ([E, H, 1, D]), D not a power of two
+    (1, 1, 70, 64, 3, 30, torch.bfloat16, False),   # several programs per head
+    (2, 2, 9, 128, 2, 11, torch.float16, True),
+])
+def test_matches_float64_merge(variant, batch, heads, length, dim, parts, inner, dtype, token_major):
+    args = _partials(batch, heads, length, dim, parts, inner, dtype, seed=length, token_major=token_major)
+    # NaN-poisoned result buffers: every row must be written
+    result = (torch.full(args[0].shape, float("nan"), dtype=dtype, device=DEVICE),
+              torch.full(args[1].shape, float("nan"), device=DEVICE))
+    got_out, got_lse = _run(variant, *args, result=result)
+    assert got_out is result[0] and got_lse is result[1]
+    want_out, want_lse = _expected(*args)
+    assert torch.equal(torch.isinf(got_lse.cpu()), torch.isinf(want_lse)) and not got_out.isnan().any()
+    finite = torch.isfinite(want_lse)
+    assert (got_lse.cpu().double()[finite] - want_lse[finite]).abs().max() < 1e-5
+    tolerance = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps  # one rounding of the result
+    assert (got_out.cpu().double() - want_out).abs().max() <= tolerance * max(1.0, want_out.abs().max())
+    assert torch.equal(got_out.cpu()[~finite[..., None].expand_as(got_out)],
+                       torch.zeros_like(got_out.cpu())[~finite[..., None].expand_as(got_out)])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merges_in_place(variant):
+    out, lse, part_out, part_lse, index = _partials(2, 2, 19, 32, 4, 7, torch.float32, seed=3, token_major=False)
+    want_out, want_lse = _expected(out, lse, part_out, part_lse, index)
+    got_out, got_lse = _run(variant, out, lse, part_out, part_lse, index, result=(out, lse))
+    assert got_out is out and got_lse is lse
+    assert (out.cpu().double() - want_out).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_new_result_takes_the_partials_dtype(variant):
+    args = _partials(1, 2, 8, 16, 2, 4, torch.bfloat16, seed=5, token_major=True)
+    got_out, got_lse = _run(variant, *args)
+    assert got_out.dtype == torch.bfloat16 and got_out.is_contiguous() and got_lse.dtype == torch.float32
