@@ -41,6 +41,7 @@ CONFIGS = {
     # the soft gate trained on the causal routing it is evaluated with (decision 1's strictly causal variant)
     "w256-causal": {"window": 256, "train_routing": "causal"},
     "w256-k16-causal": {"window": 256, "num_groups": 16, "train_routing": "causal"},
+    "mult-w256-causal": {"gate": "multiplicative", "window": 256, "train_routing": "causal"},
     "w384-causal": {"window": 384, "train_routing": "causal"},
     "w384-k16-causal": {"window": 384, "num_groups": 16, "train_routing": "causal"},
 }

@@ -125,12 +125,14 @@ def test_merge_of_one_extra_partial_per_token_takes_one_pass(kernel, monkeypatch
                                  [(0, 2, [2, 3]), (1, 0, [2, 5]), (0, 0, [4, 5, 6]), (0, 3, []), (1, 3, [7])]))
     extras = (torch.cat(extra_out)[:, None], torch.cat(extra_lse)[:, None], torch.tensor([0, 1, 0, 0, 1]),
               torch.tensor([2, 0, 0, 3, 3]))
+    device = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"
+    out, lse, extras = out.to(device), lse.to(device), tuple(t.to(device) for t in extras)
     want_out, want_lse = out.clone(), lse.clone()
     merge_extra_partials(want_out, want_lse, *extras)
     merge_extra_partials(out, lse, *extras, one_per_row=True)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)
-    assert torch.equal(out[0, 0, 1], torch.stack([o for o, _ in base[0]])[1, 0])  # no extra: untouched
+    assert torch.equal(out[0, 0, 1].cpu(), torch.stack([o for o, _ in base[0]])[1, 0])  # no extra: untouched
 
 
 def test_decode_checks_only_new_tokens_for_nan_and_refuses_them():
