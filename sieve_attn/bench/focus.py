@@ -309,7 +309,9 @@ def time_focus(bench: Bench, extra: Optional[str], mode: str, q, k, v, groups, n
     fn = bench.fns[extra]
 
     def attn(q_, k_, v_):
-        return fn(q_, k_, v_, groups)
+        # As a composed model passes its router's memberships: FocusGroups.routed, valid by construction (a raw id
+        # tensor would be validated in every call, with a host read that a model never pays).
+        return fn(q_, k_, v_, FocusGroups.routed(groups, num_groups))
 
     if mode == BACKWARD:
         checked = bench.backward_verdict(dim, num_groups, top_k, extra)
