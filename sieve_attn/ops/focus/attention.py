@@ -9,8 +9,8 @@ Backends of the hard pattern (:func:`focus_attention`):
   (cuDNN first) for the same-group pairs, masked calls with several memberships; the cross-group window pairs by
   the Triton window kernel on CUDA (masked calls elsewhere); merged by log-sum-exp. Tq == Tk, no softcap or
   attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token from 4K tokens per
-  group (H200, top-1, x cuDNN: 64K K=8 3.79x against the Triton kernels' 3.25x, 1M K=8 9.27x against 6.86x, 1M
-  K=16 19.15x against 13.48x); slower with shorter groups and with several memberships (top-2: 0.03-0.11x).
+  group (H200, top-1, x cuDNN, v8: 64K K=8 4.86x against the Triton kernels' 3.82x, 1M K=8 8.76x against 6.40x,
+  1M K=16 17.46x against 12.48x); slower with shorter groups and with several memberships (top-2: 0.03-0.11x).
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
@@ -35,9 +35,9 @@ from .flex import flex_blocker, focus_attention_flex
 from .groups import FocusGroups
 from .reference import focus_attention_reference, focus_pair_mask, focus_soft_attention_reference
 
-# Below this many keys, dense SDPA with the pattern as a mask beat the Triton kernels on the H200 in v1: 1.29 vs
-# 1.9 ms at 4K, 2.73 vs 1.80 ms at 8K (benchmarks/results/focus_h200/NOTES.md; the layout's fixed cost dominated).
-# Not re-measured since the layout moved into Triton kernels.
+# Below this many keys, dense SDPA with the pattern as a mask beats the Triton kernels on the H200. v8
+# (benchmarks/results/focus_h200/v8, K=8): 0.91 vs 1.18 ms at 4K (top-1), 0.81 vs 1.35 (top-2); at 8K the Triton
+# kernels win, 1.22 vs 2.65 ms (top-1) and 1.16 vs 2.46 (top-2). Both are host-bound there.
 DENSE_BELOW = 8192
 # Tokens per group (T / K) from which auto takes the decomposition for one group per token, causal: its group set is
 # one batched cuDNN call, faster than the Triton group kernel from groups of 4K tokens. H200, v7 (x cuDNN, sdpa vs
