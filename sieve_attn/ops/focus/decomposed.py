@@ -381,7 +381,9 @@ class _Plan:
             # The window set needs no sorted layout: queued first, it keeps the device busy while the host waits
             # for the layout's sizes and launches the group set. One partial per token: one merge kernel reads
             # each token's group-set row in place.
-            window_out, window_lse = self.window_kernel.forward(q, k, v)
+            # In q's dtype, as the group set's partial: the merge reads half the bytes of float32, and a convex
+            # combination of two partials rounded once each errs no more than the larger of their roundings.
+            window_out, window_lse = self.window_kernel.forward(q, k, v, dtype=q.dtype)
             out_s, lse_s = self._group_forward(q, k, v)
             result = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                       torch.empty(window_lse.shape, dtype=torch.float32, device=q.device))
