@@ -10,7 +10,8 @@ Backends of the hard pattern (:func:`focus_attention`):
   the Triton window kernel on CUDA (masked calls elsewhere); merged by log-sum-exp. Tq == Tk, no softcap or
   attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token from 4K tokens per
   group (H200, top-1, x cuDNN, v8: 64K K=8 4.86x against the Triton kernels' 3.82x, 1M K=8 8.76x against 6.40x,
-  1M K=16 17.46x against 12.48x); slower with shorter groups and with several memberships (top-2: 0.03-0.11x).
+  1M K=16 17.46x against 12.48x, in one run; with the window partial in bf16, 64K K=8 5.09x, 1M 9.16x); slower
+  with shorter groups and with several memberships (top-2: 0.03-0.11x).
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
