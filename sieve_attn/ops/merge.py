@@ -64,12 +64,13 @@ def merge_extra_partials(out: torch.Tensor, lse: torch.Tensor, extra_out: torch.
 
     out [B, H, T, D] (any float dtype) and lse [B, H, T] (float32) hold one partial per query; extra_out [E, H, D]
     and extra_lse [E, H] (float32) hold E more, the e-th for query token ``token_index[e]`` of sequence
-    ``batch_index[e]`` (a token may receive several). Rows no extra partial points at are left untouched; a row whose
-    partials all have lse -inf gets out 0 and lse -inf.
+    ``batch_index[e]`` (a token may receive several). A row whose partials all have lse -inf gets out 0 and lse
+    -inf.
 
-    With ``one_per_row`` (no token receives two), one :func:`merge_indexed` pass over the rows (one kernel on
-    CUDA). Otherwise :func:`merge_partials` in float32 merges all partials of a row at once, reading and writing only
-    the E rows pointed at.
+    With ``one_per_row`` (no token receives two), one :func:`merge_indexed` pass over all rows (one kernel on
+    CUDA): rows without an extra are rewritten too, unchanged where their lse is finite, as 0 where it is -inf.
+    Otherwise :func:`merge_partials` in float32 merges all partials of a row at once, reading and writing only the E
+    rows pointed at.
     """
     extras = extra_out.shape[0]
     if extras == 0:

@@ -25,18 +25,19 @@ FLOOR = {F32: 2e-6, BF16: 1e-3}
 
 # ---------------------------------------------------------------------------------------------------- shared helpers
 
-def make_groups(batch, length, num_groups, slots, seed, spread=1, offset=0):
-    """[B, T, slots] distinct random ids; with 2 slots every third token leaves its second slot empty (-1), and the
-    first token (a sink) joins every group. Real ids become id * spread + offset (spread > 1 leaves groups empty,
-    an offset past 62 makes the ids too large for bit sets)."""
+def make_groups(batch, length, num_groups, slots, seed, spread=1, offset=0, sink=True):
+    """[B, T, slots] distinct random ids; with 2 slots every third token leaves its second slot empty (-1), and
+    (with ``sink``, then [B, T, num_groups]) the first token joins every group. Real ids become id * spread + offset
+    (spread > 1 leaves groups empty, an offset past 62 makes the ids too large for bit sets)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(num_groups, generator=gen)[:slots] for _ in range(batch * length)])
     ids = ids.view(batch, length, slots)
     if slots > 1:
         ids[:, ::3, 1] = -1
-        sink = torch.arange(num_groups).expand(batch, 1, num_groups)
+    if slots > 1 and sink:
+        every = torch.arange(num_groups).expand(batch, 1, num_groups)
         ids = torch.cat([ids, ids.new_full((batch, length, num_groups - slots), -1)], dim=-1)
-        ids[:, :1] = sink
+        ids[:, :1] = every
     ids = torch.where(ids >= 0, ids * spread + offset, ids)
     return ids.to(DEVICE)
 
@@ -55,14 +56,14 @@ def run_backend(q, k, v, groups, backend, grads=True, **kw):
 
 
 def check_against_reference(case: str, spec: tuple, backend: str, spread: int = 1, offset: int = 0,
-                            grads: bool = True) -> None:
+                            grads: bool = True, sink: bool = True) -> None:
     """Runs ``spec`` = (batch, q_heads, kv_heads, length, head_dim, num_groups, slots, window, causal, softcap,
     dtype) with ``backend``; out, dq, dk, dv (out alone without ``grads``) must meet FlashAttention's rule against
     the fp64 reference."""
     batch, hq, hkv, length, dim, num_groups, slots, window, causal, softcap, dtype = spec
     gen = torch.Generator().manual_seed(len(case))
     q, k, v = (torch.randn(batch, h, length, dim, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
-    groups = make_groups(batch, length, num_groups, slots, seed=len(case), spread=spread, offset=offset)
+    groups = make_groups(batch, length, num_groups, slots, seed=len(case), spread=spread, offset=offset, sink=sink)
     kw = dict(window=window, causal=causal, softcap=softcap, grads=grads)
     exact = run_backend(q.double(), k.double(), v.double(), groups, "reference", **kw)
     fast = run_backend(q.to(dtype), k.to(dtype), v.to(dtype), groups, backend, **kw)

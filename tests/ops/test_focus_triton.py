@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from sieve_attn.ops.focus import attention  # noqa: E402
+from sieve_attn.ops.focus import attention, triton_prefill  # noqa: E402
 from sieve_attn.ops.focus.attention import focus_attention, focus_backend  # noqa: E402
 from sieve_attn.ops.focus.layout import group_layout, window_layout  # noqa: E402
 from sieve_attn.ops.focus.reference import group_bits  # noqa: E402
@@ -39,6 +39,22 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference_forward_and_backward(case):
     check_against_reference(case, CASES[case], "triton")
+
+
+@pytest.mark.parametrize("case", ["gqa-top2-sink", "window0-bf16-top2"])
+def test_two_slots_per_token_merge_their_one_extra_copy_in_one_pass(case, monkeypatch):
+    """ids [B, T, 2] (no sink row listing every group): each token has at most one extra copy, merged in one pass
+    (the merge kernel on CUDA)."""
+    passes = []
+    merge_extra = triton_prefill.merge_extra_partials
+
+    def counted(*args, one_per_row=False):
+        passes.append(one_per_row)
+        return merge_extra(*args, one_per_row=one_per_row)
+
+    monkeypatch.setattr(triton_prefill, "merge_extra_partials", counted)
+    check_against_reference(case, CASES[case], "triton", sink=False)
+    assert passes == [True]
 
 
 def test_returns_lse_of_the_reference_and_writes_out():

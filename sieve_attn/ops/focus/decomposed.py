@@ -187,9 +187,10 @@ def _read_later(values: torch.Tensor):
     if values.device.type != "cuda":
         return values.tolist
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
+    with torch.cuda.device(values.device):  # the event must follow the copy on the stream of values' device
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
 
     def read():
         copied.synchronize()
@@ -382,7 +383,8 @@ class _Plan:
             # for the layout's sizes and launches the group set. One partial per token: one merge kernel reads
             # each token's group-set row in place.
             # In q's dtype, as the group set's partial: the merge reads half the bytes of float32, and a convex
-            # combination of two partials rounded once each errs no more than the larger of their roundings.
+            # combination of two partials rounded once each errs no more than the larger of their roundings (before
+            # the result's own rounding).
             window_out, window_lse = self.window_kernel.forward(q, k, v, dtype=q.dtype)
             out_s, lse_s = self._group_forward(q, k, v)
             result = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
