@@ -23,7 +23,6 @@ query rows, G x Tq, exceed 64); the lists (4 bytes per attended key, written and
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -387,9 +387,7 @@ class _Plan:
             # the result's own rounding).
             window_out, window_lse = self.window_kernel.forward(q, k, v, dtype=q.dtype)
             out_s, lse_s = self._group_forward(q, k, v)
-            result = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-                      torch.empty(window_lse.shape, dtype=torch.float32, device=q.device))
-            return merge_indexed(window_out, window_lse, out_s, lse_s, self.sorted.token_slot, result)
+            return merge_indexed(window_out, window_lse, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
         out_s, lse_s = self._group_forward(q, k, v)
         base = self._window_forward(q, k, v) if self.blocks else None
         out, lse = merge_partials(base, self.sorted.rows(out_s), self.sorted.rows(lse_s), self.sorted.member_token,

@@ -383,9 +383,9 @@ class _Kernels:
         init_out, init_lse = init if init is not None else (out, lse)  # unread without init
         _fwd_kernel[(layout.num_tiles * self.tiles.layout // self.tiles.fwd_m, heads)](
             q, k, v, self.bits, layout.slot_token, layout.slot_extra, layout.tile_batch, layout.tile_lower,
-            layout.tile_seg_start, layout.tile_seg_end, init_out, init_lse, out, lse, *extra, *_strides(q),
-            *_strides(k), *_strides(v),
-            *_strides(out), *_strides(init_out), *self._scalars(q), HAS_INIT=init is not None,
+            layout.tile_seg_start, layout.tile_seg_end, init_out, init_lse, out, lse, *extra,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(init_out), *self._scalars(q),
+            HAS_INIT=init is not None,
             BLOCK_M=self.tiles.fwd_m, BLOCK_N=self.tiles.fwd_n, num_warps=self.tiles.fwd_warps,
             num_stages=self.tiles.fwd_stages, **self._meta(q, window_set, multi))
 

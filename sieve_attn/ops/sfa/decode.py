@@ -43,7 +43,6 @@ Storing the codes code-major, which cuts the memory lines of each per-code load 
 """
 from __future__ import annotations
 
-
 import torch
 
 from ..._checks import check_choice, check_no_nan, fail, resolve_scale
