@@ -22,7 +22,7 @@ from sieve_attn.ops.sfa.cache import (SFAKeyCache, dense_bytes_per_token, index_
 from sieve_attn.ops import split_k  # noqa: E402
 from sieve_attn.ops.sfa.codes import densify, index_dtype, sparse_codes, sparsify  # noqa: E402
 from sieve_attn.ops.sfa.decode import (sfa_decode, sfa_decode_reference, sfa_decode_triton,  # noqa: E402
-                                       sparsify_triton)
+                                       sparse_query_table)
 from sieve_attn.ops.sfa.reference import sfa_attention_reference  # noqa: E402
 from sieve_attn.ops.triton_common import kernel_blocker  # noqa: E402
 
@@ -180,6 +180,7 @@ CASES = {
     "gqa-257-kD-f32": (1, 4, 2, 1, 257, 64, 64, F32),
     "gqa-257-d128-k16": (1, 4, 2, 2, 257, 128, 16, BF16),
     "gqa-129-d64-k8": (2, 8, 2, 2, 129, 64, 8, BF16),
+    "gqa-99-d64-k6-int32-words": (1, 4, 2, 1, 99, 64, 6, BF16),
     "mqa-77-d128-k7-f16": (1, 4, 1, 1, 77, 128, 7, F16),
     "gqa-65-d16-k3-f32": (1, 6, 3, 2, 65, 16, 3, F32),
     "mha-200-d256-k17": (1, 2, 2, 1, 200, 256, 17, BF16),
@@ -236,6 +237,19 @@ def assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk):
     assert max_error(lse, exact_lse) <= 2 * max_error(low_lse, exact_lse) + 1e-5
 
 
+@pytest.mark.parametrize("dtype, topk, word", [(BF16, 16, torch.int64), (BF16, 6, torch.int32), (F16, 7, F16),
+                                               (F32, 2, torch.int64), (F32, 3, F32), (BF16, 1, BF16)])
+def test_kernel_reads_values_as_the_widest_words_that_tile_a_key(dtype, topk, word):
+    """The kernel loads each key's values as 8- or 4-byte words where they tile the key's row (so the pipeline can
+    stage them), else one by one; a view, no copy, over the cache's storage."""
+    cache = SFAKeyCache(1, 2, 64, topk=topk, dtype=dtype, device=DEVICE, capacity=8)
+    cache.append(*random_kv(1, 2, 5, 64, dtype))
+    values = cache.packed_keys()[1]
+    words = decode_module._value_words(values)
+    assert words.dtype == word and words.data_ptr() == values.data_ptr()
+    assert words.shape[-1] * words.element_size() == topk * values.element_size()
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="a D > 256 tile is for the interpreter: on GPUs sfa_decode keeps the "
                                              "kernel to D <= 256 (kernel_blocker)")
 @pytest.mark.parametrize("head_dim, topk", [(512, 9), (2048, 6)])
@@ -255,18 +269,21 @@ def test_kernel_unpacks_indices_wider_than_a_byte(head_dim, topk):
 
 @pytest.mark.parametrize("several_tiles", [False, True], ids=["gpu-split", "one-sm-split"])
 def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, several_tiles):
-    """The CASES above give every chunk one BLOCK_N tile (few keys against the H200's 132 SMs). Planned for one SM
-    (on the GPU too: the test replaces the device's SM count), 700 keys split into 4 chunks of 3 tiles, the last
-    chunk short and cut mid-tile, so the online softmax runs across tiles within a program; 2 query heads per KV
-    head and 3 queries (the causal edge inside the last tile), D = 128, topk = 16, bfloat16."""
+    """The CASES above give every chunk one tile of the kernel's keys (few keys against the H200's 132 SMs).
+    Planned for one SM (on the GPU too: the test replaces the device's SM count), 700 keys split into chunks of
+    several tiles, the last chunk short and cut mid-tile, so the online softmax runs across tiles within a program;
+    2 query heads per KV head and 3 queries (the causal edge inside the last tile), D = 128, topk = 16, bfloat16."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     if several_tiles:
         monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 3, 700, 128, 16
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE))
+    block_n = decode_module._BLOCK_N
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
+                        programs_per_sm=decode_module._PROGRAMS_PER_SM)
     if several_tiles:
-        assert (work.chunks, work.chunk_keys) == (4, 3 * split_k.BLOCK_N)
+        assert work.chunks >= 2 and work.chunk_keys >= 2 * block_n and k_len % block_n != 0
+        assert (work.chunks - 1) * work.chunk_keys < k_len < work.chunks * work.chunk_keys
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
     q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
@@ -276,17 +293,24 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("head_dim, topk", [(16, 1), (64, 7), (128, 16), (128, 128)])
-def test_kernel_sparsifies_queries_like_codes_sparsify_ties_included(dtype, head_dim, topk):
-    """The decode kernel's query sparsification (one launch) equals codes.sparsify exactly, on strided queries
-    whose magnitudes repeat (values from {0, +-0.5, +-1, +-2}, -0.0 included), so ties decide the kept
-    coordinates: the lower index wins."""
+@pytest.mark.parametrize("kv_heads, block_m", [(1, 4), (1, 16), (3, 8)], ids=["mqa-4-blocks", "mqa-one-block", "mha"])
+def test_kernel_sparsifies_queries_like_codes_sparsify_ties_included(dtype, head_dim, topk, kv_heads, block_m):
+    """The decode kernel's query table (one launch) holds codes.sparsify exactly, each query row in its column of
+    its row block, on strided queries whose magnitudes repeat (values from {0, +-0.5, +-1, +-2}, -0.0 included), so
+    ties decide the kept coordinates: the lower index wins. 3 query heads x 5 queries: 15 rows per KV head over 4
+    blocks of 4 (one padding column) or one of 16 under MQA, 5 rows in a block of 8 under MHA."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     torch.manual_seed(0)
     levels = torch.tensor([0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0], device=DEVICE)
     q = levels[torch.randint(0, 8, (2, 5, 3, head_dim), device=DEVICE)].to(dtype).transpose(1, 2)  # [2, 3, 5, D]
-    got = sparsify_triton(q, topk)
-    assert got.is_contiguous() and got.dtype == dtype
+    batch, q_heads, q_len, _ = q.shape
+    rows = q_heads // kv_heads * q_len
+    table = sparse_query_table(q, topk, kv_heads, block_m)
+    assert table.is_contiguous() and table.dtype == dtype
+    assert table.shape == (batch, kv_heads, -(-rows // block_m), head_dim, block_m)
+    # [B, Hkv, blocks, D, block_m] -> rows r = (h % G) * Tq + i of each KV head -> [B, Hq, Tq, D]
+    got = table.transpose(-1, -2).reshape(batch, kv_heads, -1, head_dim)[:, :, :rows].reshape(q.shape)
     want = sparsify(q, topk)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 

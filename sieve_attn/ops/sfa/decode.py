@@ -8,38 +8,36 @@ keys the cache was built from. Two backends compute it:
 - ``reference``: plain PyTorch. Unpacks and densifies the cached keys one block at a time (never the whole cache)
   and runs an online softmax over the blocks.
 - ``triton``: flash-decoding split-K (:mod:`sieve_attn.ops.split_k`), bound by the bytes of the cache. One launch
-  sparsifies the queries (:func:`sparsify_triton`); then one program per (batch, KV head, chunk of keys) takes all
-  G = Hq / Hkv query heads (times Tq) of its KV head, so every code and every V row is read from memory once. Per
-  tile of BLOCK_N keys and per code t < topk it unpacks index t of each key (once per (key, code), shared by the
-  G rows), loads value t, and gathers the G rows' sparse-query entries at those indices: score = scale * sum_t
-  q~[idx_t] * val_t, the dot of the sparse query with the densified key, which is never built. q~ is G * D
-  elements per program (1 KiB at G = 4, D = 128, bfloat16), so the gathers hit L1. Then the online softmax and P @ V
-  on tensor cores as the Focus decode kernel does, and the chunks' partials merge by log-sum-exp.
+  sparsifies the queries into a table (:func:`sparse_query_table`) that puts the G * Tq query rows of a KV head
+  (G = Hq / Hkv) side by side under each coordinate; then one program per (batch, KV head, chunk of keys) takes all
+  of them, so every code and every V row is read from memory once. The score tile is [keys, rows], one key per
+  thread: per code t < topk the thread unpacks index t of its key and loads value t once, and one vector load
+  fetches the rows' table entries at that index (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1):
+  score = scale * sum_t q~[idx_t] * val_t, the dot of the sparse query with the densified key, which is never
+  built. Then the online softmax and P @ V on tensor cores as the Focus decode kernel does, and the chunks'
+  partials merge by log-sum-exp.
 
 Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :func:`.cache.index_bits` (D) = 7):
 
 - bytes from memory: topk * b / 8 = 14 of packed indices, topk * 2 = 32 of values, D * 2 = 256 of V: 302, against
   2 * D * 2 = 512 for dense K and V (1.70x fewer). Per decode step over 128K tokens and 8 KV heads: 316.7 MB (dense
-  536.9 MB), plus 2.2 MB of float32 partials written and read back by the merge (4 rows * 132 chunks * 129 floats
-  per KV head).
-- work: topk index unpacks (~6 integer ops each), topk value loads, G * topk = 64 gathers and float32 FMAs for the
+  536.9 MB) -> 83 us at 3.8 TB/s, plus the float32 partials the merge reads back (1.1 MB at 8 programs per SM).
+- work: topk index unpacks and value loads, topk vector loads of the table and G * topk = 64 float32 FMAs for the
   scores, G exponentials, and P @ V: G * D = 512 useful MACs, issued as two [16, BLOCK_N] x [BLOCK_N, D] MMAs per
   tile (rows padded to the MMA's 16, P split in two bfloat16 halves to keep float32 accuracy). The sm_90 SASS of
-  the main loop (triton 3.9, ptxas of the install) is 732 instructions per thread per 64-key tile with 4 warps:
-  46 warp instructions per token and KV head, 128 registers, no spills (the former densifying kernel: 13.5 KB of
-  stack per thread at this shape).
+  the main loop (triton 3.6) is 985 instructions per 32-key tile of one warp: 31 warp instructions per token and
+  KV head (the v4 kernel, [rows, keys] tiles that unpacked each code once per row: 46), 255 registers, no spills.
+  About a third are the scores; most of the rest is the P @ V: 64 HMMAs and about 190 register moves per tile
+  (the padded rows' A fragments and the B fragments of transposed ldmatrix loads).
 
-PREDICTION (made before the first GPU run), H200, batch 1, 32 query / 8 KV heads, Tq = 1, 128K tokens, D = 128, topk =
-16: bytes / 3.8 TB/s = 83 us. Issue: 1.05M token-heads * 46 warp instructions over 132 SMs is 363K per SM, 61 us
-at 3 instructions per clock (1.98 GHz), 92 us at 2, so the loop should stay just under memory-bound given enough
-instruction throughput (4 programs of 4 warps resident per SM at 128 registers; 1056 programs make two full
-waves; each keeps one 16 KiB V tile in flight through cp.async besides its code loads, about 76 KiB per SM, above
-the ~25 KiB that 3.8 TB/s at ~0.8 us latency needs). Fixed costs: the sparsifying launch, the main launch's ramp
-and tail and the merge, about 3 us each. Predicted total: about 0.095 ms (0.09 to 0.11 ms), against 0.139 ms
-measured for dense SDPA: 1.3x to 1.5x faster, short of or at the 1.5x target; the byte bound alone allows 1.68x.
-MEASURED (benchmarks/results/sfa_h200/NOTES.md, v4, CUDA graphs): 0.172 ms (k = 8: 0.136 ms), 1.8x the prediction.
-Storing the codes code-major, which cuts the memory lines of each per-code load from 4-8 to 1, measured slower
-(0.207 ms, v5), so those loads are not the limit; not profiled.
+MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays; benchmarks/results/sfa_h200/NOTES.md, v6): topk =
+16 0.117-0.119 ms (v4 kernel 0.171), 1.16x dense SDPA-cuDNN decode (0.136-0.138 ms); topk = 8 0.097-0.099 ms,
+1.39x. The target, 1.5x at topk = 16, needs 0.092 ms. ncu (v6 with 4-warp programs): 30% of issue slots busy, 12%
+occupancy, a warp issuing every 6.2 cycles, 2.2 of them waiting on L1: bound by latency with too few warps, not by
+DRAM (46% of its peak). One-warp programs of 32 keys, 8 per SM (one wave at 255 registers), measured best; capping
+registers to fit more programs spilled and was 1.3-2.2x slower. Triton's software pipeline stages every code's
+table gather and value word through shared memory with the V tile, which caps the stages
+(:func:`_pipeline_stages`).
 """
 from __future__ import annotations
 
@@ -59,9 +57,12 @@ if triton is not None:
 
 
 # Measured on an H200 at 128K cached tokens, GQA 32/8, D = 128 (CUDA-graph replays; benchmarks/results/sfa_h200,
-# v4): 3 stages beat 2 (k = 16: 0.171 vs 0.183 ms; k = 8: 0.135 vs 0.147); 8 warps and 32- or 128-key tiles were
-# slower.
-_NUM_WARPS, _NUM_STAGES = 4, 3
+# v6): one warp per program and 32-key tiles beat 2-8 warps and 16- to 256-key tiles; 3 stages beat 1, 2 and 4;
+# 8 programs per SM, one full wave at this kernel's 255 registers, beat 4-64 (k = 16, plain value loads: 0.123 ms
+# at 8, 0.137 at 6 and 16, 0.174 at 10).
+_BLOCK_N, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 32, 1, 3, 8
+# Shared memory a pipelined launch may ask for (an H200 block gets 227 KiB; the dots' conversions need some).
+_SHARED_BUDGET = 160 * 1024
 # Elements of one densified key block (and of one score block) in the reference: 16 MiB in float32.
 _BLOCK_ELEMENTS = 2 ** 22
 # Coordinates compared per step when ranking a query's coordinates: a [D, 32] compare is 32 int32 per thread at
@@ -95,17 +96,22 @@ def _packed_index(key_bytes, key_ok, stride_byte, T: tl.constexpr, BITS: tl.cons
 
 
 @jit
-def _sparsify_rows(X, Y, stride_xb, stride_xh, stride_xt, stride_xd, heads, q_len, topk,
-                   HEAD_DIM: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Grid (B * Hq * Tq,). Writes Y [B, Hq, Tq, D] (contiguous, X's dtype) = ``sparsify(X, topk)`` for X
-    [B, Hq, Tq, D] (any strides, no NaN), one row per program: coordinate u keeps x_u iff fewer than topk
-    coordinates v rank above it, v ranking above u when |x_v| > |x_u|, or |x_v| == |x_u| and v < u (the rule of
-    :mod:`.codes`, ties to the lower index, so the same coordinates as its stable sort); the others become 0.
+def _sparse_query_table(X, TABLE, stride_xb, stride_xh, stride_xt, stride_xd, heads, kv_heads, q_len, topk,
+                        row_blocks, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Grid (B * Hq * Tq,). Writes ``sparsify(X, topk)`` for X [B, Hq, Tq, D] (any strides, no NaN), one query row
+    per program, into TABLE [B, Hkv, row_blocks, D, BLOCK_M] (contiguous, X's dtype): row r = (h % G) * Tq + i of KV
+    head h // G (G = Hq / Hkv) goes to column r % BLOCK_M of row block r // BLOCK_M, so the BLOCK_M rows of one
+    decode program lie side by side under each coordinate. Columns of no row (the last block's padding) are left
+    as they are.
 
-    One launch in place of the sort, gather, fill and scatter of :func:`.codes.sparsify` (a decode step's fixed
-    cost). The ranks are counted BLOCK_V coordinates v at a time ([D, BLOCK_V] compares per step)."""
+    Coordinate u keeps x_u iff fewer than topk coordinates v rank above it, v ranking above u when |x_v| > |x_u|,
+    or |x_v| == |x_u| and v < u (the rule of :mod:`.codes`, ties to the lower index, so the same coordinates as its
+    stable sort); the others become 0. The ranks are counted BLOCK_V coordinates v at a time ([D, BLOCK_V] compares
+    per step). One launch in place of the sort, gather, fill and scatter of :func:`.codes.sparsify` (a decode step's
+    fixed cost)."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = X + row // (heads * q_len) * stride_xb + row // q_len % heads * stride_xh + row % q_len * stride_xt
+    b, h, i = row // (heads * q_len), row // q_len % heads, row % q_len
+    x_row = X + b * stride_xb + h * stride_xh + i * stride_xt
     u = tl.arange(0, HEAD_DIM)
     x = tl.load(x_row + u * stride_xd)
     size_u = tl.abs(x.to(tl.float32))[:, None]  # exact for every input dtype
@@ -115,55 +121,81 @@ def _sparsify_rows(X, Y, stride_xb, stride_xh, stride_xt, stride_xd, heads, q_le
         size_v = tl.abs(tl.load(x_row + v * stride_xd).to(tl.float32))[None, :]
         above = (size_v > size_u) | ((size_v == size_u) & (v[None, :] < u[:, None]))
         rank += tl.sum(above.to(tl.int32), axis=1)
-    tl.store(Y + row * HEAD_DIM + u, tl.where(rank < topk, x, tl.zeros_like(x)))
+    group = heads // kv_heads
+    r = h % group * q_len + i
+    block = (b * kv_heads + h // group) * row_blocks + r // BLOCK_M
+    tl.store(TABLE + (block * HEAD_DIM + u) * BLOCK_M + r % BLOCK_M, tl.where(rank < topk, x, tl.zeros_like(x)))
 
 
 @jit
-def _code_scores(q_rows, row_ok, key_bytes, key_values, key_ok, stride_qd, stride_ibyte, stride_kk,
-                 TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Unscaled scores [BLOCK_M, BLOCK_N] float32 of the program's rows against a tile of cached keys, read from
-    the codes: s[m, j] = sum over t < TOPK of q~[m, idx[j, t]] * val[j, t], i.e. the dot of the zero-filled sparse
-    query with the densified key, without densifying it.
+def _code_value(key_words, key_ok, T: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr):
+    """Value T of each key of a tile, float32 [BLOCK_N]; key_words [BLOCK_N] points at each key's values, read as
+    words of PER_WORD values each (value T is bits [T % PER_WORD * b, ...) of word T // PER_WORD, b the bits of
+    VALUE_DTYPE, little-endian; PER_WORD = 1: the values themselves). Missing keys read 0.
 
-    q_rows [BLOCK_M]: the rows of the zero-filled sparse queries (coordinates ``stride_qd`` apart), row_ok which of
-    them exist; key_bytes [1, BLOCK_N]: each key's first packed index byte (bytes ``stride_ibyte`` apart);
-    key_values [1, BLOCK_N]: its first value (values ``stride_kk`` apart); key_ok [1, BLOCK_N]: which keys exist
-    (the others score 0). The key operands are [1, BLOCK_N], not [BLOCK_N], so that their loads take the score
-    tile's layout: 1-d loads cost two layout conversions through shared memory (and a barrier) per code on sm_90.
+    Why words: a value load of 2 bytes per thread cannot be staged by cp.async (4 bytes at least), so the pipeline
+    left it in the loop, waiting a memory latency each tile; 4- or 8-byte words are staged with the V tile. A word
+    that serves several T is one load: same address and mask, merged by the compiler."""
+    word = tl.load(key_words + T // PER_WORD, mask=key_ok, other=0)
+    if PER_WORD == 1:
+        value = word
+    else:
+        BITS: tl.constexpr = VALUE_DTYPE.primitive_bitwidth
+        bits = (word >> (T % PER_WORD * BITS)) & ((1 << BITS) - 1)
+        value = bits.to(tl.int16 if BITS == 16 else tl.int32).to(VALUE_DTYPE, bitcast=True)
+    return value.to(tl.float32)
 
-    Each (key, code) pair is unpacked and loaded once per thread that holds its column (the threads of a column
-    differ only in the rows they gather), then serves its BLOCK_M rows; the rows' q entries are gathered by
-    address. q is [BLOCK_M, D] per program (1 KiB at 4 heads, D = 128, bfloat16), so after the first
-    tile every gather hits L1: HBM sees only the codes."""
-    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+@jit
+def _code_scores(table, key_bytes, key_words, key_ok, stride_ibyte, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr,
+                 PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Unscaled scores [BLOCK_N, BLOCK_M] float32 of a tile of cached keys against the program's query rows, read
+    from the codes: s[j, m] = sum over t < TOPK of q~[m, idx[j, t]] * val[j, t], the dot of the zero-filled sparse
+    query with the densified key, which is never built.
+
+    table: the program's block of the query table, [D, BLOCK_M] contiguous (:func:`_sparse_query_table`);
+    key_bytes [BLOCK_N]: each key's first packed index byte (bytes ``stride_ibyte`` apart); key_words [BLOCK_N]: its
+    values as words (:func:`_code_value`); key_ok [BLOCK_N]: which keys exist (the others read index 0 and value 0,
+    so they score 0).
+
+    Keys along the first axis, rows along the second: one thread holds one key with all its rows, so each (key,
+    code) is unpacked and loaded once and serves BLOCK_M rows, and the rows' q entries under the code's index are
+    BLOCK_M neighbours in the table: one vector load (8 bytes at 4 bfloat16 rows), from a table of D * BLOCK_M
+    elements (1 KiB) that stays in L1. The table's padding columns are 0 (their scores are masked anyway)."""
+    m = tl.arange(0, BLOCK_M)
+    s = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for t in tl.static_range(TOPK):
         coord = _packed_index(key_bytes, key_ok, stride_ibyte, t, INDEX_BITS)  # 0 for a missing key: in bounds
-        value = tl.load(key_values + t * stride_kk, mask=key_ok, other=0.0).to(tl.float32)
-        q_at = tl.load(q_rows[:, None] + coord * stride_qd, mask=row_ok[:, None], other=0.0)
+        value = _code_value(key_words, key_ok, t, PER_WORD, VALUE_DTYPE)
+        q_at = tl.load(table + coord[:, None] * BLOCK_M + m[None, :])
         # Products of 16-bit values are exact in float32, as in a tensor-core dot.
-        s += q_at.to(tl.float32) * value
+        s += q_at.to(tl.float32) * value[:, None]
     return s
 
 
 @jit
 def _sfa_decode_chunk(
-    Q, IDX, VAL, V, O, LSE,
+    Q, TABLE, IDX, VAL, V, O, LSE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_ib, stride_ih, stride_it, stride_ibyte,
-    stride_kb, stride_kh, stride_kt, stride_kk,
+    stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_vd,
     kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
     HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
-    """Grid (B * Hkv, chunks, row blocks). Q: the zero-filled sparse queries [B, Hq, Tq, D]; IDX: the cached keys'
-    packed indices uint8 [B, Hkv, Tk, ceil(TOPK * INDEX_BITS / 8)] (:func:`.cache.pack_indices`); VAL: their values
-    [B, Hkv, Tk, TOPK]; V [B, Hkv, Tk, D]. BLOCK_M rows per program (any power of two: P @ V pads a dot of fewer
-    than 16 rows itself). Writes each row's output over the chunk's keys (normalised over them) and its
-    log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (float32, contiguous)."""
-    # The scores gather q by address through q_rows: program_rows' dense q tile goes unused.
-    b, kv_head, r, row_ok, q_pos, d, _, q_rows, start, stop = program_rows(
+    """Grid (B * Hkv, chunks, row blocks). Q: the queries [B, Hq, Tq, D] (only their layout is read: the rows and
+    positions); TABLE: their sparse query table [B, Hkv, row blocks, D, BLOCK_M] (:func:`_sparse_query_table`);
+    IDX: the cached keys' packed indices uint8 [B, Hkv, Tk, ceil(TOPK * INDEX_BITS / 8)]
+    (:func:`.cache.pack_indices`); VAL: their values [B, Hkv, Tk, TOPK] (VALUE_DTYPE) viewed as words of PER_WORD
+    values [B, Hkv, Tk, TOPK / PER_WORD] (:func:`_code_value`); V [B, Hkv, Tk, D]. BLOCK_M rows per program
+    (any power of two: P @ V pads a dot of fewer than 16 rows itself). Writes each row's output over the chunk's
+    keys (normalised over them) and its log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks]
+    (float32, contiguous)."""
+    # The scores read q through the table: program_rows' dense q tile goes unused, and the compiler drops its load.
+    b, kv_head, r, row_ok, q_pos, d, _, _, start, stop = program_rows(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
+    table = TABLE + ((b * kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)) * (HEAD_DIM * BLOCK_M)
     idx_head = IDX + b * stride_ib + kv_head * stride_ih
     val_head = VAL + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
@@ -172,9 +204,9 @@ def _sfa_decode_chunk(
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         key_ok = n < stop
-        key = n[None, :]
-        s = scale * _code_scores(q_rows, row_ok, idx_head + key * stride_it, val_head + key * stride_kt, key < stop,
-                                 stride_qd, stride_ibyte, stride_kk, TOPK, INDEX_BITS, BLOCK_M, BLOCK_N)
+        s = _code_scores(table, idx_head + n * stride_it, val_head + n * stride_kt, key_ok, stride_ibyte, TOPK,
+                         INDEX_BITS, PER_WORD, VALUE_DTYPE, BLOCK_M, BLOCK_N)
+        s = scale * tl.trans(s)  # [BLOCK_M, BLOCK_N], as the online softmax takes it
         s = tl.where(row_ok[:, None] & key_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, NATIVE_DOT)
@@ -293,13 +325,16 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     as float32 for every input dtype."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = cache.kv_heads, cache.length
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device)
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
+                        programs_per_sm=_PROGRAMS_PER_SM)
     # The plan's row blocks hold at least 16 rows (what a dot of q against K needs); the scores here are gathers,
     # so a program takes just its rows rounded up to a power of two (4 for 32 query heads over 8 KV heads, Tq = 1)
-    # and issues no loads for padding rows. Same grid: below 16 rows there is one row block either way.
+    # and its table block holds no more columns than that. Same grid: below 16 rows there is one row block either
+    # way.
     block_m = min(work.block_m, triton.next_power_of_2(q_heads // kv_heads * q_len))
 
     packed, values = cache.packed_keys()
+    words = _value_words(values)
     v = cache.values()
     part_out, part_lse = split_k.partials(q, work.chunks)
     # The merge rounds to q's dtype itself on GPUs; the interpreter truncates float32 -> 16-bit casts, so there it
@@ -307,23 +342,54 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     out = torch.empty(q.shape, dtype=torch.float32 if _INTERPRETED else q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with on_device_of(q):
-        q_sparse = sparsify_triton(q, cache.topk)
+        table = sparse_query_table(q, cache.topk, kv_heads, block_m)
         _sfa_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
-            q_sparse, packed, values, v, part_out, part_lse,
-            *q_sparse.stride(), *packed.stride(), *values.stride(), *v.stride(),
+            q, table, packed, words, v, part_out, part_lse,
+            *q.stride(), *packed.stride(), *words.stride()[:3], *v.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, scale, work.chunk_keys, work.chunks,
             HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, BLOCK_M=block_m,
-            BLOCK_N=split_k.BLOCK_N, NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
-            num_stages=_NUM_STAGES)
+            BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
+            VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
+            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
+            num_stages=_pipeline_stages(cache.topk, block_m, head_dim, q.element_size()))
         split_k.merge(part_out, part_lse, out, lse)
     return out.to(q.dtype), lse
 
 
-def sparsify_triton(q: torch.Tensor, topk: int) -> torch.Tensor:
-    """:func:`.codes.sparsify` (q, topk) of q [B, Hq, Tq, D] (D a power of two, no NaN) by one kernel launch:
-    a new contiguous tensor of q's dtype, equal to it element for element. Call within q's device."""
-    y = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def _value_words(values: torch.Tensor) -> torch.Tensor:
+    """The cached key values [B, Hkv, T, topk] (contiguous along topk, as the cache stores them) viewed as the
+    widest words, 8 or 4 bytes, that hold whole values and tile each key's row (topk * itemsize a multiple of the
+    word, and the row's start aligned to it), else as they are: [B, Hkv, T, topk * itemsize / word] of int64 or
+    int32 (a view, no copy)."""
+    row_bytes = values.shape[-1] * values.element_size()
+    for word in (torch.int64, torch.int32):
+        size = word.itemsize
+        aligned = all(stride * values.element_size() % size == 0 for stride in values.stride()[:-1])
+        if size > values.element_size() and row_bytes % size == 0 and aligned and \
+                values.storage_offset() * values.element_size() % size == 0:
+            return values.view(word)
+    return values
+
+
+def _pipeline_stages(topk: int, block_m: int, head_dim: int, itemsize: int) -> int:
+    """_NUM_STAGES, or 1 where the software pipeline's buffers would not fit in shared memory: Triton stages each
+    code's query-table gather besides the V tile, (stages - 1) * (topk * block_m + D) * _BLOCK_N elements."""
+    staged = (_NUM_STAGES - 1) * (topk * block_m + head_dim) * _BLOCK_N * itemsize
+    return _NUM_STAGES if staged <= _SHARED_BUDGET else 1
+
+
+def sparse_query_table(q: torch.Tensor, topk: int, kv_heads: int, block_m: int) -> torch.Tensor:
+    """:func:`.codes.sparsify` (q, topk) of q [B, Hq, Tq, D] (D a power of two, no NaN), laid out for the decode
+    kernel by one launch: a new tensor [B, Hkv, ceil(G * Tq / block_m), D, block_m] of q's dtype (G = Hq / Hkv)
+    whose [b, h // G, r // block_m, :, r % block_m] is sparsify(q)[b, h, i] for r = (h % G) * Tq + i, element for
+    element; the last block's columns past G * Tq are 0. Call within q's device."""
     batch, heads, q_len, head_dim = q.shape
-    _sparsify_rows[(batch * heads * q_len,)](q, y, *q.stride(), heads, q_len, topk, HEAD_DIM=head_dim,
-                                             BLOCK_V=min(head_dim, _SPARSIFY_BLOCK_V))
-    return y
+    rows = heads // kv_heads * q_len
+    row_blocks = triton.cdiv(rows, block_m)
+    # Zeros only where a padding column exists (one more launch); the kernel writes every other element.
+    allocate = torch.empty if rows % block_m == 0 else torch.zeros
+    table = allocate(batch, kv_heads, row_blocks, head_dim, block_m, dtype=q.dtype, device=q.device)
+    _sparse_query_table[(batch * heads * q_len,)](q, table, *q.stride(), heads, kv_heads, q_len, topk, row_blocks,
+                                                  HEAD_DIM=head_dim, BLOCK_M=block_m,
+                                                  BLOCK_V=min(head_dim, _SPARSIFY_BLOCK_V))
+    return table
