@@ -108,3 +108,17 @@ def threads(count: int):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def skip_without_cpu_kernels() -> None:
+    """Skips a test whose tiny model runs the Triton kernels on the CPU: they take CPU tensors only in Triton's
+    interpreter, which tests/conftest.py turns on where there is no CUDA (on a GPU machine the op tests run the
+    kernels on the device instead)."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from sieve_attn.ops.triton_common import kernel_blocker
+
+    blocker = kernel_blocker(torch.empty(1, 1, 1, 32))
+    if blocker:
+        pytest.skip(blocker)

@@ -17,16 +17,10 @@ from .triton_common import jit, triton
 if triton is not None:
     import triton.language as tl
 
-# Programs per SM: several resident programs hide each other's load latency, and chunks that finish early leave no
-# SM idle for long. 8 measured best for the Focus decode kernel on an H200 (4 and 16 slower); the SFA decode kernel
-# picks its own.
-_PROGRAMS_PER_SM = 8
 # Without a GPU (the Triton interpreter) chunking follows an H200, so CPU tests see the GPU's split.
 _DEFAULT_SMS = 132
 # Query rows per program; more rows (GQA groups times speculative queries) are split across programs.
 _MAX_BLOCK_M = 64
-# Keys per tile of the Focus decode kernel, measured on an H200 (D = 64, 128 and 256; 32-key tiles were slower).
-BLOCK_N = 64
 # Chunks merged per step of the merge kernel.
 _MERGE_CHUNKS = 16
 
@@ -46,11 +40,11 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
 
 
-def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device: torch.device, *,
-         block_n: int = BLOCK_N, programs_per_sm: int | None = None) -> Plan:
-    """About ``programs_per_sm`` (default ``_PROGRAMS_PER_SM``) programs per SM in all, each chunk a whole number of
-    ``block_n``-key tiles (the kernel's tile)."""
-    programs_per_sm = _PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device: torch.device, *, block_n: int,
+         programs_per_sm: int) -> Plan:
+    """About ``programs_per_sm`` programs per SM in all, each chunk a whole number of ``block_n``-key tiles (the
+    kernel's tile). Each kernel measures its own: resident programs hide each other's load latency, and a last wave
+    that fills only part of the SMs leaves the rest idle, so whole waves of what an SM holds at once win."""
     rows = q_heads // kv_heads * q_len
     block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))  # tl.dot needs 16 rows
     row_blocks = triton.cdiv(rows, block_m)

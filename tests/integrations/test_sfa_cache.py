@@ -17,10 +17,10 @@ from sieve_attn.ops.sfa.cache import packed_bytes
 
 try:
     from tests.integrations.test_transformers import _greedy_recompute, _left_padded, _logits
-    from tests.models import random_ids, threads, tiny_model
+    from tests.models import random_ids, skip_without_cpu_kernels, threads, tiny_model
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
     from integrations.test_transformers import _greedy_recompute, _left_padded, _logits
-    from models import random_ids, threads, tiny_model
+    from models import random_ids, skip_without_cpu_kernels, threads, tiny_model
 
 TOPK, PROMPT, NEW, LAYERS = 4, 20, 8, 2
 
@@ -74,7 +74,7 @@ def test_generation_reads_the_codes_and_equals_recomputation(arch, backend, deco
     at each step and the dense-cache path's; the logits obey FlashAttention's rule: their error against the model
     run in float64 is at most twice the dense-cache path's, plus a floor. The cache holds codes, not dense keys."""
     if backend == "triton":
-        pytest.importorskip("triton")
+        skip_without_cpu_kernels()
     model = sa.compose(tiny_model(arch), sa.SFAConfig(topk=TOPK, backend=backend))
     reference = sa.compose(tiny_model(arch), sa.SFAConfig(topk=TOPK, backend="reference"))  # PyTorch's own path
     prompt = random_ids(2, PROMPT, seed=7)

@@ -17,9 +17,10 @@ from sieve_attn.nn.focus_layer import FocusLayer
 from sieve_attn.nn.router import FocusRouter
 
 try:
-    from tests.models import ARCHS, SEQ, SLIDING, eager_copy, random_ids, threads, tiny_model
+    from tests.models import (ARCHS, SEQ, SLIDING, eager_copy, random_ids, skip_without_cpu_kernels, threads,
+                              tiny_model)
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
-    from models import ARCHS, SEQ, SLIDING, eager_copy, random_ids, threads, tiny_model
+    from models import ARCHS, SEQ, SLIDING, eager_copy, random_ids, skip_without_cpu_kernels, threads, tiny_model
 
 MODES = ("train", "soft", "hard", "dense")
 SPARSE = dict(num_groups=4, window=4, top_k=2)
@@ -425,7 +426,7 @@ def test_triton_backend_generation_equals_reference_and_recomputation(arch):
     """backend='triton': the prompt goes through the pair-set kernels, every decoding step through the decode
     kernel (which reads only the window and the query's groups). Logits equal the reference backend's; greedy tokens
     equal recomputing the whole sequence each step."""
-    pytest.importorskip("triton")
+    skip_without_cpu_kernels()
     model = tiny_model(arch)
     torch.manual_seed(0)
     sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=2, backend="triton"))

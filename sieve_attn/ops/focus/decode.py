@@ -32,10 +32,11 @@ from .. import split_k
 from ..split_k import program_rows, store_rows
 from ..triton_common import dot, is_interpreted, on_device_of, softmax_finish, softmax_start, softmax_step, tanh
 
-# Warps and pipeline depth of the two-pass kernel: the fastest that passed the gated bench on an H200 (128K, GQA 32/8,
-# D = 128, K = 8, CUDA graphs). v7 (benchmarks/results/focus_h200/v7): 2 stages against 3 in the same session, top-1
-# 0.088 vs 0.102 ms, top-2 0.127 vs 0.143 ms. 8 warps, 32- and 128-key tiles and 16 programs per SM were slower (v5).
-_NUM_WARPS, _NUM_STAGES = 4, 2
+# Plan of the two-pass kernel: the fastest that passed the gated bench on an H200 (128K, GQA 32/8, D = 128, K = 8,
+# CUDA graphs). v7 (benchmarks/results/focus_h200/v7): 2 stages against 3 in the same session, top-1 0.088 vs 0.102
+# ms, top-2 0.127 vs 0.143 ms. 8 warps, 32- and 128-key tiles were slower (v5). v9: at 156 registers an SM holds 3
+# programs, and 6 per SM (two whole waves) beat 8 (top-1 0.077 vs 0.088 ms, top-2 0.126 vs 0.141), 3, 4, 9 and 12.
+_BLOCK_N, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 64, 4, 2, 6
 
 
 @triton.jit
@@ -139,7 +140,8 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
             fail(name, "strides whose offsets within one KV head fit int32 ((Tk - 1) * stride(2) + (D - 1) * "
                        "stride(3) < 2**31; a contiguous [B, Hkv, Tk, D] cache does up to 16M tokens at D = 128)",
                  f"strides {t.stride()} at Tk = {k_len}")
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device)
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
+                        programs_per_sm=_PROGRAMS_PER_SM)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
     part_out, part_lse = (out, lse) if work.chunks == 1 else split_k.partials(q, work.chunks)
@@ -151,7 +153,7 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
             *q.stride(), *k.stride(), *v.stride(), *bits.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale,
             1.0 if softcap is None else softcap, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=split_k.BLOCK_N, SOFTCAP=softcap is not None,
+            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, SOFTCAP=softcap is not None,
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
         if work.chunks > 1:
             split_k.merge(part_out, part_lse, out, lse)
