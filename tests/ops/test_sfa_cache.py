@@ -310,9 +310,11 @@ def test_kernel_sparsifies_queries_like_codes_sparsify_ties_included(dtype, head
     assert table.is_contiguous() and table.dtype == dtype
     assert table.shape == (batch, kv_heads, -(-rows // block_m), head_dim, block_m)
     # [B, Hkv, blocks, D, block_m] -> rows r = (h % G) * Tq + i of each KV head -> [B, Hq, Tq, D]
-    got = table.transpose(-1, -2).reshape(batch, kv_heads, -1, head_dim)[:, :, :rows].reshape(q.shape)
+    columns = table.transpose(-1, -2).reshape(batch, kv_heads, -1, head_dim)
+    got = columns[:, :, :rows].reshape(q.shape)
     want = sparsify(q, topk)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    assert not columns[:, :, rows:].any()  # the last block's padding columns are 0
 
 
 @pytest.mark.parametrize("head_dim, topk", [(48, 6), (300, 11)])

@@ -21,7 +21,7 @@ Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :fu
 
 - bytes from memory: topk * b / 8 = 14 of packed indices, topk * 2 = 32 of values, D * 2 = 256 of V: 302, against
   2 * D * 2 = 512 for dense K and V (1.70x fewer). Per decode step over 128K tokens and 8 KV heads: 316.7 MB (dense
-  536.9 MB) -> 83 us at 3.8 TB/s, plus the float32 partials the merge reads back (1.1 MB at 8 programs per SM).
+  536.9 MB) -> 83 us at 3.8 TB/s, plus the float32 partials the merge reads back (2.1 MB at 8 programs per SM).
 - work: topk index unpacks and value loads, topk vector loads of the table and G * topk = 64 float32 FMAs for the
   scores, G exponentials, and P @ V: G * D = 512 useful MACs, issued as two [16, BLOCK_N] x [BLOCK_N, D] MMAs per
   tile (rows padded to the MMA's 16, P split in two bfloat16 halves to keep float32 accuracy). The sm_90 SASS of
@@ -373,8 +373,9 @@ def _value_words(values: torch.Tensor) -> torch.Tensor:
 
 def _pipeline_stages(topk: int, block_m: int, head_dim: int, itemsize: int) -> int:
     """_NUM_STAGES, or 1 where the software pipeline's buffers would not fit in shared memory: Triton stages each
-    code's query-table gather besides the V tile, (stages - 1) * (topk * block_m + D) * _BLOCK_N elements."""
-    staged = (_NUM_STAGES - 1) * (topk * block_m + head_dim) * _BLOCK_N * itemsize
+    code's query-table gather besides the V tile and the value words, (stages - 1) * (topk * block_m + D + topk) *
+    _BLOCK_N elements (an upper bound: Triton 3.9 stages fewer of the 16-bit gathers than 3.6)."""
+    staged = (_NUM_STAGES - 1) * (topk * block_m + head_dim + topk) * _BLOCK_N * itemsize
     return _NUM_STAGES if staged <= _SHARED_BUDGET else 1
 
 
