@@ -22,13 +22,20 @@ import sys
 import threading
 from pathlib import Path
 
+def _sfa(topk: int, weight: float, feature_map: str, warmup: int = 0) -> list[str]:
+    return ["--method", "sfa", "--topk", str(topk), "--matching-weight", f"{weight:g}", "--feature-map", feature_map,
+            *(["--topk-warmup", str(warmup)] if warmup else [])]
+
+
+# Names without "pca" keep q and k in their own coordinates (--feature-map none), as every run before the feature
+# maps did; "pca" runs start from the calibrated principal axes (the default of `sieve finetune`).
 CONFIGS = {
     "dense": ["--method", "dense"],
-    **{f"k{k}-l{weight:g}": ["--method", "sfa", "--topk", str(k), "--matching-weight", f"{weight:g}"]
-       for k in (16, 8) for weight in (1, 0, 10, 0.1)},
+    **{f"k{k}-{basis}l{weight:g}": _sfa(k, weight, "pca" if basis else "none")
+       for basis in ("", "pca-") for k in (16, 8) for weight in (1, 0, 10, 0.1)},
     # Gradual sparsification: top-k falls from the head dim over the first 100 steps.
-    **{f"k{k}-l1-warm100": ["--method", "sfa", "--topk", str(k), "--matching-weight", "1", "--topk-warmup", "100"]
-       for k in (16, 8)},
+    **{f"k{k}-{basis}l{weight:g}-warm100": _sfa(k, weight, "pca" if basis else "none", 100)
+       for basis in ("", "pca-") for k in (16, 8) for weight in (1, 0, 10, 0.1)},
 }
 
 
@@ -70,6 +77,7 @@ def collect(names: list[str], out: Path) -> list[dict]:
             continue
         result = json.loads(path.read_text())
         rows.append({"name": name, "method": result["method"], "topk": result["topk"],
+                     "feature_map": result.get("feature_map") or ("none" if result["method"] == "sfa" else None),
                      "matching_weight": result["settings"]["matching_weight"] if result["method"] == "sfa" else None,
                      "ppl_before": result["ppl_before"], "ppl_after": result["ppl_after"],
                      "tokens": result["tokens"], "seconds": result["seconds"], "settings": result["settings"],
@@ -90,12 +98,15 @@ def plot(rows: list[dict], path: Path) -> None:
     sfa = [r for r in rows if r["method"] == "sfa"]
     # lambda = 0 sits at the left edge of a log axis: plotted at a tenth of the smallest positive weight
     smallest = min((r["matching_weight"] for r in sfa if r["matching_weight"] > 0), default=1.0)
-    for topk in sorted({r["topk"] for r in sfa}):
-        for warm in sorted({r["settings"].get("topk_warmup", 0) for r in sfa if r["topk"] == topk}):
-            points = sorted((r["matching_weight"] or smallest / 10, r["ppl_after"]) for r in sfa
-                            if r["topk"] == topk and r["settings"].get("topk_warmup", 0) == warm)
-            label = f"SFA k={topk}" + (f", top-k warm-up {warm} steps" if warm else "")
-            ax.plot([w for w, _ in points], [p for _, p in points], "o-" if not warm else "*", label=label)
+    def curve(r):
+        return r["topk"], r["feature_map"], r["settings"].get("topk_warmup", 0)
+
+    for topk, basis, warm in sorted({curve(r) for r in sfa}):
+        points = sorted((r["matching_weight"] or smallest / 10, r["ppl_after"]) for r in sfa
+                        if curve(r) == (topk, basis, warm))
+        label = f"SFA k={topk}" + (", PCA map" if basis == "pca" else "") + (f", top-k warm-up {warm}" if warm else "")
+        ax.plot([w for w, _ in points], [p for _, p in points], ("o-" if not warm else "*-") if basis == "pca"
+                else ("o--" if not warm else "*"), label=label)
     for row in rows:
         if row["method"] == "dense":
             ax.axhline(row["ppl_after"], color="k", ls="--", label="dense fine-tune")
@@ -127,7 +138,7 @@ def main() -> int:
     if rows:
         plot(rows, args.out / "sweep.png")
     for row in rows:
-        print(f"{row['name']:>10}  PPL {row['ppl_before']:9.3f} -> {row['ppl_after']:8.3f}  "
+        print(f"{row['name']:>18}  PPL {row['ppl_before']:9.3f} -> {row['ppl_after']:8.3f}  "
               f"x dense fine-tune {row['vs_dense_finetune'] or float('nan'):.3f}  {row['seconds']} s"
               + ("" if row["best_step"] is None else f"  (best step {row['best_step']})"))
     return 0

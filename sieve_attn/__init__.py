@@ -9,6 +9,7 @@ from .ops.sfa.attention import sfa_attention
 from .ops.sfa.cache import SFAKeyCache, dense_bytes_per_token
 from .ops.sfa.codes import sparse_codes
 from .ops.sfa.decode import sfa_decode
+from .train.calibrate import calibrate_feature_maps
 
 __version__ = "0.1.0"
 
@@ -21,7 +22,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "SFACache", "SFAConfig", "SFAKeyCache", "compose",
-           "dense_bytes_per_token", "focus_attention", "focus_backend", "focus_soft_attention", "load_adapter",
-           "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention", "sfa_decode", "skip_nan_checks",
-           "sparse_codes"]
+__all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "SFACache", "SFAConfig", "SFAKeyCache",
+           "calibrate_feature_maps", "compose", "dense_bytes_per_token", "focus_attention", "focus_backend",
+           "focus_soft_attention", "load_adapter", "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention",
+           "sfa_decode", "skip_nan_checks", "sparse_codes"]

@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--topk-warmup", type=int, default=0,
                       help="SFA: steps over which top-k falls geometrically from the head dim to --topk (gradual "
                            "sparsification; 0: --topk from the start)")
+    tune.add_argument("--feature-map", choices=("pca", "none"), default="pca",
+                      help="SFA: pca (default): each layer maps q and k, after RoPE, into the principal axes of its "
+                           "dense q and k before the top-k (an orthogonal map per KV head, computed from "
+                           "--calibration-windows training windows, then trained with the model), so the top-k keeps "
+                           "more of each score; none: the top-k of q and k as they are (the paper's GPT-2 form)")
+    tune.add_argument("--calibration-windows", type=int, default=16,
+                      help="SFA with --feature-map pca: training windows the principal axes are computed from (16)")
     _train_args(tune, steps=100, lr=5e-5)
     tune.add_argument("--validate-every", type=int, default=0,
                       help="early stopping: every this many steps (and after the last) measure the loss on "
@@ -323,24 +330,32 @@ def cmd_finetune(args) -> int:
     from .eval.perplexity import perplexity
     from .eval.report import environment, write_json
     from .train import distributed
+    from .train.calibrate import calibrate_feature_maps
     from .train.finetune import FinetuneSettings, finetune
 
     started = time.time()
+    if args.calibration_windows < 1:
+        raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
     model, tokenizer = distributed.load_for_training(args.model, device=args.device)
+    mapped = args.method == "sfa" and args.feature_map == "pca"
     if args.method == "sfa":
-        compose(model, SFAConfig(topk=args.topk, backend=args.sfa_backend))
+        compose(model, SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped))
     runtime = distributed.runtime(args.batch_size)
     runtime.place(model)  # an FSDP launch shards it here, so that every process can take part in evaluating it
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
-    before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
     train_files = _files(args.train_text, 0)
     validation = None
     if args.validate_every:
         train_files, validation = hold_back(tokenizer, train_files, args.context, args.validation_windows)
     windows = token_windows(tokenizer, train_files, args.context, args.steps * args.batch_size)
+    uncalibrated = None
+    if mapped:
+        uncalibrated = perplexity(model, held_out, desc="identity map", progress=runtime.is_main)["ppl"]
+        calibrate_feature_maps(model, windows[:args.calibration_windows], progress=runtime.is_main)
+    before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
                                 micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
@@ -352,6 +367,9 @@ def cmd_finetune(args) -> int:
             save_adapter(model, args.out / "adapter")
         record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
                   "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
+                  "feature_map": args.feature_map if args.method == "sfa" else None,
+                  "calibration_windows": args.calibration_windows if mapped else None,
+                  "ppl_identity_map": uncalibrated,
                   "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
                   "history": result["history"], "validation_windows": 0 if validation is None else len(validation),
                   "validations": result["validations"], "best_step": result["best_step"],

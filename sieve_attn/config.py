@@ -90,16 +90,24 @@ class SFAConfig(_Serialisable):
     """Sparse Feature Attention settings (arXiv 2603.22300; DESIGN.md decision 5).
 
     topk: coordinates of q and k kept per token and head, by largest |x| after RoPE (q per query head, k per KV
-    head); it must not exceed the model's head dim, which :func:`sieve_attn.compose` checks. backend: how the SFA
-    scores are computed (:func:`sieve_attn.sfa_attention`'s ``backend``); decode steps over an
-    :class:`~sieve_attn.SFACache` read its codes with :func:`sieve_attn.sfa_decode`, which takes "auto" for "sdpa"
-    (there are no dense keys to give dense attention); with Focus as well, the Focus pattern's backend computes them
-    on the sparsified q and k.
+    head); it must not exceed the model's head dim, which :func:`sieve_attn.compose` checks. feature_map: whether
+    each layer maps q and k, after RoPE and before the top-k, by a learned matrix [D, D] per KV head (the same one
+    for the KV head's keys and its query heads' queries), the reading of spec/sfa.md section 5 item 2 for RoPE
+    models: a basis in which q and k concentrate on fewer coordinates, so the top-k keeps more of each score.
+    compose starts it at the identity, :func:`sieve_attn.calibrate_feature_maps` sets it to the principal axes of
+    the layer's dense q and k (an orthogonal map, so dense scores are unchanged), and fine-tuning trains it; it
+    lives in the adapter. backend: how the SFA scores are computed (:func:`sieve_attn.sfa_attention`'s
+    ``backend``); decode steps over an :class:`~sieve_attn.SFACache` read its codes with
+    :func:`sieve_attn.sfa_decode`, which takes "auto" for "sdpa" (there are no dense keys to give dense attention);
+    with Focus as well, the Focus pattern's backend computes them on the sparsified q and k.
     """
 
     topk: int = 16
     backend: str = "auto"
+    feature_map: bool = False
 
     def __post_init__(self):
         check_int("topk", self.topk, 1)
+        if not isinstance(self.feature_map, bool):
+            fail("feature_map", "True or False", repr(self.feature_map))
         check_choice("backend", self.backend, SFA_BACKENDS)

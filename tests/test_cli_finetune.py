@@ -12,24 +12,37 @@ def test_help_explains_finetune(capsys):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
     assert "--matching-weight" in text and "early stopping" in text and "--validation-windows" in text
+    assert "--feature-map" in text and "principal axes" in text and "--calibration-windows" in text
     # Several processes: the split of each batch, and who evaluates and writes.
     assert "`accelerate launch`" in text and "--batch-size must be a multiple of the number of processes" in text
     assert "Every process computes the held-out perplexity" in text and "rank 0 alone prints it" in text
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, backend", [("sfa", "auto"), ("sfa", "sdpa"), ("dense", "auto")])
-def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend):
+@pytest.mark.parametrize("method, backend, feature_map", [("sfa", "auto", "pca"), ("sfa", "sdpa", "none"),
+                                                          ("dense", "auto", "pca")])
+def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend, feature_map):
+    from safetensors.torch import load_file
+
     out = tmp_path / method
     assert main(["finetune", "--method", method, "--topk", "16", "--sfa-backend", backend, "--context", "32",
-                 "--threads", "1", "--steps", "1", "--eval-windows", "1", "--out", str(out)]) == 0
+                 "--threads", "1", "--steps", "1", "--eval-windows", "1", "--feature-map", feature_map,
+                 "--calibration-windows", "1", "--out", str(out)]) == 0
     record = json.loads((out / "result.json").read_text())
     assert record["method"] == method and record["ppl_before"] > 1 and record["ppl_after"] > 1
     assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    assert not any(".sieve_sfa." in name for name in load_file(str(out / "model.safetensors")))
     assert (out / "adapter" / "adapter_config.json").is_file() == (method == "sfa")
+    mapped = method == "sfa" and feature_map == "pca"
+    assert record["feature_map"] == (feature_map if method == "sfa" else None)
+    assert (record["ppl_identity_map"] is not None) == mapped
+    assert record["calibration_windows"] == (1 if mapped else None)
     if method == "sfa":
         config = json.loads((out / "adapter" / "adapter_config.json").read_text())
         assert config["sfa"]["backend"] == backend  # the adapter records the backend it was trained with
+        assert config["sfa"]["feature_map"] == mapped
+        maps = [name for name in load_file(str(out / "adapter" / "adapter.safetensors")) if "feature_map" in name]
+        assert len(maps) == (30 if mapped else 0)  # one per layer of SmolLM2-135M
     # `sieve eval ppl` scores the fine-tuned model later: the same held-out windows give the same perplexity.
     adapter = ["--adapter", str(out / "adapter"), "--modes", "sfa"] if method == "sfa" else ["--modes", "dense"]
     assert main(["eval", "ppl", "--context", "32", "--threads", "1", "--eval-windows", "1", "--weights",
@@ -37,6 +50,12 @@ def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend):
     evaluated = json.loads((out / "eval.json").read_text())
     assert evaluated["rows"][0]["ppl"] == pytest.approx(record["ppl_after"], rel=1e-6)
     assert (evaluated["sfa_config"] is None) == (method == "dense")
+
+
+def test_finetune_refuses_no_calibration_windows(tmp_path):
+    with pytest.raises(SystemExit, match="--calibration-windows: expected at least 1, got 0"):
+        main(["finetune", "--context", "32", "--threads", "1", "--steps", "1", "--calibration-windows", "0",
+              "--out", str(tmp_path)])
 
 
 @pytest.mark.slow

@@ -16,9 +16,9 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from .._checks import check_int, fail
-from ..nn.sfa_layer import CachedKeys
+from ..nn.sfa_layer import CachedKeys, SFALayer
 from ..ops.sfa.cache import SFAKeyCache
-from .transformers import ATTENTION_NAME, attention_modules, head_dim
+from .transformers import ATTENTION_NAME, SFA_ATTR, attention_modules, head_dim, kv_heads
 
 
 class SFACacheLayer(CacheLayerMixin):
@@ -33,9 +33,11 @@ class SFACacheLayer(CacheLayerMixin):
     first update, and ``seen`` counts the tokens of the sequence so far (store holds the last len(store) of them).
     """
 
-    def __init__(self, topk: int, kv_heads: int, head_dim: int, window: Optional[int] = None, capacity: int = 256):
+    def __init__(self, sfa: SFALayer, kv_heads: int, head_dim: int, window: Optional[int] = None,
+                 capacity: int = 256):
         super().__init__()
-        self.topk, self.kv_heads, self.head_dim, self.window, self.capacity = topk, kv_heads, head_dim, window, capacity
+        self.sfa, self.topk = sfa, sfa.config.topk
+        self.kv_heads, self.head_dim, self.window, self.capacity = kv_heads, head_dim, window, capacity
         self.is_sliding = window is not None
         self.store: Optional[SFAKeyCache] = None
         self.seen = 0
@@ -50,7 +52,8 @@ class SFACacheLayer(CacheLayerMixin):
                            capacity=max(self.capacity, tokens))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Stores key_states [B, Hkv, Tq, D] (after RoPE) as codes and value_states [B, Hkv, Tq, D] as they are.
+        """Stores key_states [B, Hkv, Tq, D] (after RoPE), mapped by the layer's feature map
+        (:meth:`SFALayer.map_keys`), as codes and value_states [B, Hkv, Tq, D] as they are.
 
         Returns (:class:`CachedKeys` of the layer's store, the store's V [B, Hkv, Tk, D]), Tk = tokens held now."""
         if key_states.dim() != 4 or (key_states.shape[1], key_states.shape[3]) != (self.kv_heads, self.head_dim):
@@ -59,7 +62,8 @@ class SFACacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         store = self.store
-        keys = CachedKeys(store, key_states if len(store) == 0 else None)
+        key_states = self.sfa.map_keys(key_states)
+        keys = CachedKeys(store, self.sfa, key_states if len(store) == 0 else None)
         store.append(key_states, value_states)
         self.seen += key_states.shape[2]
         if self.window is not None and len(store) >= 2 * self.window:
@@ -189,9 +193,9 @@ def _cache_layers(model: nn.Module, capacity: int) -> list[SFACacheLayer]:
     indices = [module.layer_idx for _, module in attention_modules(model)]
     if indices != list(range(len(dense))):
         fail("model", f"attention modules with layer_idx 0 .. {len(dense) - 1} (one per layer of its config)", indices)
-    text = model.config.get_text_config()
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return [SFACacheLayer(sfa.topk, kv_heads, head_dim(model), _window(layer), capacity) for layer in dense]
+    layers = [getattr(module, SFA_ATTR) for _, module in attention_modules(model)]
+    return [SFACacheLayer(sfa_layer, kv_heads(model), head_dim(model), _window(layer), capacity)
+            for sfa_layer, layer in zip(layers, dense)]
 
 
 def _window(layer) -> Optional[int]:

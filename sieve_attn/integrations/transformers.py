@@ -131,6 +131,12 @@ def _split_configs(configs) -> tuple[Optional[FocusConfig], Optional[SFAConfig]]
     return (focus or [None])[0], (sfa or [None])[0]
 
 
+def kv_heads(model: nn.Module) -> int:
+    """The number of key/value heads of ``model``'s attention (its config's num_key_value_heads, else its heads)."""
+    text = model.config.get_text_config()
+    return getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
 def head_dim(model: nn.Module) -> int:
     """The head dimension of ``model``'s attention (its config's head_dim, else hidden size / heads)."""
     text = model.config.get_text_config()
@@ -156,16 +162,18 @@ def compose(model: nn.Module, *configs) -> nn.Module:
         fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto', 'reference' or "
                         f"'triton'; PyTorch's attention under 'sdpa' has no softcap)", "'sdpa'")
     modules = attention_modules(model)
-    hidden_size = model.config.get_text_config().hidden_size
-    device = next(model.parameters()).device
+    text = model.config.get_text_config()
+    first = next(model.parameters())
+    device = first.device
     for param in model.parameters():
         param.requires_grad_(False)
     for _, module in modules:
         if focus is not None:
-            module.add_module(LAYER_ATTR, FocusLayer(hidden_size, focus).to(device).train(model.training))
+            module.add_module(LAYER_ATTR, FocusLayer(text.hidden_size, focus).to(device).train(model.training))
             module.register_forward_pre_hook(_observe_hidden_states, with_kwargs=True)
         if sfa is not None:
-            module.add_module(SFA_ATTR, SFALayer(sfa))
+            layer = SFALayer(sfa, kv_heads(model), head_dim(model))
+            module.add_module(SFA_ATTR, layer.to(device=device, dtype=first.dtype))
     _register()
     model.set_attn_implementation(ATTENTION_NAME)
     model.sieve_config, model.sieve_sfa_config = focus, sfa
@@ -173,8 +181,9 @@ def compose(model: nn.Module, *configs) -> nn.Module:
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Everything compose added (router parameters and buffers), keyed as in ``model.state_dict()``."""
-    return {k: v for k, v in model.state_dict().items() if f".{LAYER_ATTR}." in k}
+    """Everything compose added (Focus router parameters and buffers, SFA feature maps), keyed as in
+    ``model.state_dict()``."""
+    return {k: v for k, v in model.state_dict().items() if f".{LAYER_ATTR}." in k or f".{SFA_ATTR}." in k}
 
 
 def _model_signature(model: nn.Module) -> dict:
@@ -184,7 +193,8 @@ def _model_signature(model: nn.Module) -> dict:
 
 
 def save_adapter(model: nn.Module, directory) -> Path:
-    """Saves only what compose added: ``adapter.safetensors`` and ``adapter_config.json`` in ``directory``."""
+    """Saves only what compose added (:func:`adapter_state`): ``adapter.safetensors`` and ``adapter_config.json``
+    in ``directory``."""
     if not is_composed(model):
         fail("model", "a model composed with sieve_attn.compose", "a plain model")
     directory = Path(directory)
@@ -236,7 +246,7 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
         fail("model", f"a model composed with the adapter's configs {focus}, {sfa}",
              f"{model.sieve_config}, {model.sieve_sfa_config}")
     tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
-    check_tensors_fit("adapter", tensors, adapter_state(model), "tensors named as this model's Focus layers")
+    check_tensors_fit("adapter", tensors, adapter_state(model), "tensors named as this model's Focus and SFA layers")
     model.load_state_dict(tensors, strict=False)
     if focus is not None:
         set_focus_mode(model, focus.mode)

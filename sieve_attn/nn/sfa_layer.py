@@ -21,13 +21,14 @@ class CachedKeys:
 
     ``cache`` already holds this call's Tq tokens: Tk = len(cache), and query i sits at cache position Tk - Tq + i.
     ``new`` is the dense keys [B, Hkv, Tq, D] of this call's tokens when the cache held none before it (a prompt,
-    Tk == Tq), else None. Any other attribute raises AttributeError: only :meth:`SFALayer.attend` reads these keys.
+    Tk == Tq), else None. Both hold the keys as the feature map of ``layer``, the SFA layer the cache was built
+    for, mapped them (:meth:`SFALayer.map_keys`). Any other attribute raises AttributeError: only :meth:`SFALayer.attend` reads these keys.
     """
 
-    __slots__ = ("cache", "new")
+    __slots__ = ("cache", "new", "layer")
 
-    def __init__(self, cache: SFAKeyCache, new: Optional[torch.Tensor] = None):
-        self.cache, self.new = cache, new
+    def __init__(self, cache: SFAKeyCache, layer: "SFALayer", new: Optional[torch.Tensor] = None):
+        self.cache, self.layer, self.new = cache, layer, new
 
     def dense(self) -> torch.Tensor:
         """Keys k [B, Hkv, Tk, D] for the dense-key path: ``new`` when set, else the cached codes zero-filled
@@ -44,24 +45,49 @@ class CachedKeys:
 
 
 class SFALayer(nn.Module):
-    """Computes one attention layer with Sparse Feature Attention (no parameters of its own).
+    """Computes one attention layer with Sparse Feature Attention.
+
+    With ``config.feature_map`` the layer holds ``feature_map`` [Hkv, D, D], a parameter (the identity at first):
+    q and k are mapped as q @ feature_map[g] and k @ feature_map[g] (g the KV head of the query head) before their
+    top-k (:meth:`map_queries`, :meth:`map_keys`). Without it the layer has no parameters.
 
     While ``matching`` is on and autograd is recording, each call also computes the layer's dense attention output
-    without gradient and records mean((O_sfa - O_dense)^2) over batch, heads, tokens and features in
-    ``matching_terms``: the paper's output-matching regulariser (Eq. 8), averaged over heads.
+    (on the unmapped q and k) without gradient and records mean((O_sfa - O_dense)^2) over batch, heads, tokens and
+    features in ``matching_terms``: the paper's output-matching regulariser (Eq. 8), averaged over heads.
+
+    While ``moments`` is a list (:func:`sieve_attn.calibrate_feature_maps` sets it), each call on dense keys
+    appends (sum of k k^T per KV head [Hkv, D, D], sum of q q^T over the KV head's query heads [Hkv, D, D], keys
+    summed per KV head, queries summed per KV head) of its unmapped q and k, in float32.
     """
 
-    def __init__(self, config: SFAConfig):
+    def __init__(self, config: SFAConfig, kv_heads: int, head_dim: int):
         super().__init__()
         self.config = config
         # The top-k in use: config.topk, except while fine-tuning warms it up from the head dim
-        # (FinetuneSettings.topk_warmup).
+        # (FinetuneSettings.topk_warmup) or a calibration records dense moments.
         self.topk = config.topk
         self.matching = False
         self.matching_terms: list[torch.Tensor] = []
+        self.moments: Optional[list] = None
+        self.feature_map = nn.Parameter(torch.eye(head_dim).repeat(kv_heads, 1, 1), requires_grad=False) \
+            if config.feature_map else None
 
     def extra_repr(self) -> str:
-        return f"topk={self.topk}"
+        return f"topk={self.topk}, feature_map={self.feature_map is not None}"
+
+    def map_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k [B, Hkv, T, D] in the layer's feature basis (k itself without a feature map)."""
+        if self.feature_map is None:
+            return k
+        return torch.matmul(k, self.feature_map.to(k.dtype))
+
+    def map_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, T, D] in the feature basis of each query head's KV head (q itself without a feature map)."""
+        if self.feature_map is None:
+            return q
+        kv_heads = self.feature_map.shape[0]
+        grouped = q.unflatten(1, (kv_heads, q.shape[1] // kv_heads))  # [B, Hkv, Hq / Hkv, T, D]
+        return torch.matmul(grouped, self.feature_map.to(q.dtype)[:, None]).flatten(1, 2)
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None, focus=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] with SFA scores; with ``focus`` (the layer's
@@ -72,14 +98,19 @@ class SFALayer(nn.Module):
         read by :func:`~sieve_attn.ops.sfa.decode.sfa_decode` (their codes only) when the call is plain causal SFA:
         no ``attn_mask`` (transformers passes none without padding, on a full-attention layer or on a sliding one
         still within its window), no ``softcap`` and no ``focus``. Otherwise :meth:`CachedKeys.dense` gives the
-        dense-key path keys of the same sparse form, so the result is the same."""
+        dense-key path keys of the same sparse form, so the result is the same. With a feature map, q and k are
+        mapped first (cached keys were mapped before the cache stored them: :class:`CachedKeys`)."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if isinstance(k, CachedKeys):
             self._check_cached(k)
+            q = self.map_queries(q)
             if k.new is None and attn_mask is None and softcap is None and focus is None:
                 return sfa_decode(q, k.cache, scale=scale, backend=sfa_decode_backend(self.config.backend))[0]
-            k = k.dense()
-        target = self._dense_target(q, k, v, attn_mask, scale, softcap)
+            k, target = k.dense(), None  # already mapped: SFACacheLayer stores the mapped keys
+        else:
+            self._record_moments(q, k)
+            target = self._dense_target(q, k, v, attn_mask, scale, softcap)
+            q, k = self.map_queries(q), self.map_keys(k)
         topk = self.topk
         if focus is not None:
             out = focus.attend(sparsify(q, topk), sparsify(k, topk), v, attn_mask=attn_mask, scale=scale,
@@ -92,12 +123,24 @@ class SFALayer(nn.Module):
         return out
 
     def _check_cached(self, k: CachedKeys) -> None:
-        if k.cache.topk != self.config.topk:
-            fail("past_key_values", f"an SFACache built for this model (topk {self.config.topk})",
-                 f"one whose keys keep topk {k.cache.topk} coordinates")
+        # The cache codes keys with its layers' top-k and feature maps: those of the model it was built for.
+        if k.layer is not self:
+            fail("past_key_values", "an SFACache built for this model (SFACache(model))",
+                 f"one built for another model (its keys keep topk {k.cache.topk} coordinates, this layer's "
+                 f"{self.config.topk})")
         if self.matching and torch.is_grad_enabled():
             fail("past_key_values", "no SFACache while the output-matching term is recorded (it needs dense keys)",
                  "an SFACache")
+
+    def _record_moments(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        if self.moments is None:
+            return
+        kv_heads = k.shape[1]
+        with torch.no_grad():
+            k32 = k.float()
+            q32 = q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads)).transpose(2, 3).flatten(2, 3)
+            self.moments.append((torch.einsum("bhtd,bhte->hde", k32, k32), torch.einsum("bhtd,bhte->hde", q32, q32),
+                                 k.shape[0] * k.shape[2], q32.shape[0] * q32.shape[2]))
 
     def _dense_target(self, q, k, v, attn_mask, scale, softcap) -> Optional[torch.Tensor]:
         if not (self.matching and torch.is_grad_enabled()):

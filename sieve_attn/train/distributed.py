@@ -13,8 +13,8 @@ in one plain process nothing here runs.
   rank 0's values of what it trains (as DDP does). The gradients of the trained tensors are averaged by all-reduces
   of buckets of at most ``BUCKET_ELEMENTS`` values each step, so the optimizer states are the same on every rank.
 - The model, sharded with FSDP2 when the launch carries an FSDP configuration (``accelerate launch --use_fsdp
-  --fsdp_version 2 ...``): accelerate's FSDP2 routine shards it while the Focus layers are taken out, so routers stay
-  plain replicated tensors (treated as above). FSDP2 averages the gradients of the sharded weights itself (a
+  --fsdp_version 2 ...``): accelerate's FSDP2 routine shards it while the Focus and SFA layers are taken out, so
+  routers and SFA feature maps stay plain replicated tensors (treated as above). FSDP2 averages the gradients of the sharded weights itself (a
   reduce-scatter): they are not averaged again. Retrofit shards a frozen base; fine-tuning trains the sharded
   weights, and its optimizer, built after sharding, holds only this rank's shards of them.
 - Files. Checkpoints, adapters and weights are written by rank 0 alone, in the single-process format (sharded
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._checks import fail
-from ..integrations.transformers import LAYER_ATTR, adapter_state, attention_modules
+from ..integrations.transformers import LAYER_ATTR, SFA_ATTR, adapter_state, attention_modules
 
 
 def launched() -> bool:
@@ -193,7 +193,8 @@ class Distributed(Runtime):
 
     def place(self, model) -> None:
         """Shards ``model`` with FSDP2 when the launch asks for it (a model already sharded is only resharded: see
-        :func:`_reshard`), then gives every process rank 0's Focus routers (parameters and buffers)."""
+        :func:`_reshard`), then gives every process rank 0's Focus routers (parameters and buffers) and SFA
+        feature maps."""
         plugin = fsdp_plugin(self.accelerator)
         if plugin is not None and _is_sharded(model):
             _reshard(model)
@@ -269,34 +270,35 @@ def _reshard(model) -> None:
 
 
 def _shard_base(accelerator, plugin, model) -> list:
-    """Shards ``model`` (all of it but its Focus layers) in place with accelerate's FSDP2 routine (activation
-    checkpointing first when the configuration asks for it); returns the Focus layers, attached again.
+    """Shards ``model`` (all of it but the layers compose added: Focus layers and SFA layers) in place with
+    accelerate's FSDP2 routine (activation checkpointing first when the configuration asks for it); returns those
+    layers, attached again.
 
-    The Focus layers are out of the model while it is sharded: FSDP then never sees the routers, which stay plain
-    tensors, and accelerate's CPU-RAM-efficient loading (which expects every entry of the state dict to be sharded)
-    is not confused by them. ``Accelerator.prepare`` is not used because under FSDP2 it needs an optimizer of the
-    model's parameters, which retrofit does not have (its base is frozen) and fine-tuning can only build over the
-    sharded parameters, after sharding.
+    They are out of the model while it is sharded: FSDP then never sees the routers and the SFA feature maps, which
+    stay plain tensors, and accelerate's CPU-RAM-efficient loading (which expects every entry of the state dict to
+    be sharded) is not confused by them. ``Accelerator.prepare`` is not used because under FSDP2 it needs an
+    optimizer of the model's parameters, which retrofit does not have (its base is frozen) and fine-tuning can only
+    build over the sharded parameters, after sharding.
     """
     from accelerate.utils import fsdp2_apply_ac, fsdp2_prepare_model
 
-    hosts = [module for _, module in attention_modules(model) if hasattr(module, LAYER_ATTR)]
-    layers = [getattr(module, LAYER_ATTR) for module in hosts]
-    for module in hosts:
-        delattr(module, LAYER_ATTR)
+    added = [(module, name, getattr(module, name)) for _, module in attention_modules(model)
+             for name in (LAYER_ATTR, SFA_ATTR) if hasattr(module, name)]
+    for module, name, _ in added:
+        delattr(module, name)
     try:
         if plugin.activation_checkpointing:
             plugin.set_auto_wrap_policy(model)
             fsdp2_apply_ac(accelerator, model)  # wraps the layers in place
         fsdp2_prepare_model(accelerator, model)  # shards in place (the model it returns is the same object)
     finally:
-        for module, layer in zip(hosts, layers):
-            module.add_module(LAYER_ATTR, layer)
-    return layers
+        for module, name, layer in added:
+            module.add_module(name, layer)
+    return [layer for _, _, layer in added]
 
 
 def _move_layers(layers, device) -> None:
-    """Moves Focus layers to ``device``. Layers built on a model left empty (meta) by CPU-RAM-efficient loading get
+    """Moves Focus and SFA layers to ``device``. Layers built on a model left empty (meta) by CPU-RAM-efficient loading get
     uninitialised storage there; rank 0's values are broadcast into them next."""
     for layer in layers:
         if any(t.is_meta for t in itertools.chain(layer.parameters(), layer.buffers())):

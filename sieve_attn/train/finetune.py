@@ -17,11 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from .._checks import check_int, check_tensors_fit, fail
 from .._files import atomic_write
-from ..integrations.transformers import LAYER_ATTR, head_dim, sfa_layers
+from ..integrations.transformers import LAYER_ATTR, SFA_ATTR, head_dim, sfa_layers
 from . import distributed, loop
 
 WEIGHTS = "model.safetensors"
-# The weights after the best validation of a validated fine-tune, by step: "best-{step}.safetensors".
+# Every trained tensor (SFA feature maps included) after the best validation of a validated fine-tune, by step:
+# "best-{step}.safetensors".
 BEST_WEIGHTS = "best-{}.safetensors"
 # The module name activation checkpointing (torch's checkpoint_wrapper, which accelerate's FSDP2 routine applies)
 # inserts into parameter names; state dicts, and so the files written here, leave it out.
@@ -58,11 +59,18 @@ def _set_topk(layers: list, step: int, warmup: int, dim: int) -> None:
         layer.topk = topk_at(step, layer.config.topk, dim, warmup)
 
 
-def base_parameters(model) -> dict[str, torch.nn.Parameter]:
-    """The model's own weights (not Focus routers), by their names in the model's state dict (without the wrapper
-    that activation checkpointing inserts), in the order of ``model.named_parameters()``: what fine-tuning trains."""
+def trained_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """What fine-tuning trains: the model's own weights and the SFA feature maps (not Focus routers), by their names
+    in the model's state dict (without the wrapper that activation checkpointing inserts), in the order of
+    ``model.named_parameters()``."""
     return {name.replace(_CHECKPOINT_WRAPPER, ""): p for name, p in model.named_parameters()
             if f".{LAYER_ATTR}." not in name}
+
+
+def own_weights(params: dict) -> dict:
+    """The entries of ``params`` (named as in the state dict) that are the model's own weights, not what compose
+    added: what ``model.safetensors`` holds (the SFA feature maps go with the adapter)."""
+    return {name: p for name, p in params.items() if f".{SFA_ATTR}." not in name}
 
 
 def _matching_loss(layers) -> torch.Tensor | None:
@@ -202,7 +210,8 @@ def _save_weights(model, names: list[str], path: Path, runtime) -> None:
 
 def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings | None = None, *,
              validation: torch.Tensor | None = None, resume: bool = False, progress: bool = True) -> dict:
-    """Trains every weight of ``model`` (plain, or composed with an SFAConfig) on token windows [N, T].
+    """Trains every weight of ``model`` (plain, or composed with an SFAConfig, whose feature maps it trains too) on
+    token windows [N, T].
 
     AdamW (no weight decay), linear warm-up then cosine decay to a tenth (as retrofit); the model runs in eval mode
     (no dropout). With SFA layers and ``matching_weight`` > 0 the output-matching term is added. Every
@@ -212,7 +221,8 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     reduce-scatters, which keeps the gradients sharded). ``topk_warmup`` > 0 lowers SFA's top-k step by step from
     the head dim to its configured value (:func:`topk_at`; gradual sparsification); the layers keep the configured
     value afterwards.
-    The weights go to ``out_dir/model.safetensors``.
+    The model's own weights go to ``out_dir/model.safetensors``; SFA feature maps (trained too) are part of what
+    compose added, which :func:`sieve_attn.save_adapter` saves (``sieve finetune`` writes ``OUT/adapter``).
 
     Early stopping: with ``settings.validate_every`` > 0 and ``validation`` windows [M, T] (text the fine-tune does
     not train on, and not the text it is finally scored on), the model's NLL on them is measured every
@@ -243,7 +253,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     # Placing first: FSDP2 replaces the parameters by sharded ones, and gathered ones that an evaluation left in
     # their place would take requires_grad with them when resharded.
     runtime.place(model)
-    params = base_parameters(model)
+    params = trained_parameters(model)
     for p in params.values():
         p.requires_grad_(True)
     runtime.replicate_(params.values())
@@ -280,7 +290,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     best = loop.best_validation(validations)
     if best is not None:
         _load_full_weights(model, params, load_file(str(out_dir / BEST_WEIGHTS.format(best[0]))), "best weights")
-    save(out_dir / WEIGHTS)
+    _save_weights(model, list(own_weights(params)), out_dir / WEIGHTS, runtime)
     return {"steps": settings.steps, "history": history, "weights": str(out_dir / WEIGHTS),
             "validations": validations, "best_step": None if best is None else best[0]}
 
@@ -289,5 +299,5 @@ def load_weights(model, path) -> None:
     """Loads fine-tuned weights written by :func:`finetune` (``model.safetensors``) into ``model``; refuses a file
     whose tensors do not match the model's own weights in name and shape."""
     tensors = load_file(str(path))
-    check_tensors_fit("weights", tensors, base_parameters(model), "weights of this model")
+    check_tensors_fit("weights", tensors, own_weights(trained_parameters(model)), "weights of this model")
     model.load_state_dict(tensors, strict=False)

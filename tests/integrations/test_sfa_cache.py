@@ -185,17 +185,21 @@ def test_misuse_is_refused():
         sa.SFACache(sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4)))
     with pytest.raises(ValueError, match="capacity: expected an int in \\[1"):
         sa.SFACache(llama, capacity=0)
-    other_topk = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=8))
-    with pytest.raises(ValueError, match="past_key_values: expected an SFACache built for this model \\(topk 4\\)"):
-        _use(llama, sa.SFACache(other_topk))
+    for other in (sa.SFAConfig(topk=8), sa.SFAConfig(topk=TOPK)):  # another model, even of the same config
+        with pytest.raises(ValueError, match=f"past_key_values: expected an SFACache built for this model "
+                                             f"\\(SFACache\\(model\\)\\), got one built for another model \\(its "
+                                             f"keys keep topk {other.topk} coordinates, this layer's {TOPK}\\)"):
+            _use(llama, sa.SFACache(sa.compose(tiny_model("llama"), other)))
     gpt2 = sa.compose(tiny_model("gpt2"), sa.SFAConfig(topk=TOPK))  # 4 KV heads, against Llama's 2
     with pytest.raises(ValueError, match="past_key_values: expected an SFACache built for this model, got one built "
                                          "for 4 KV heads of dim 16, given keys of shape \\(2, 2, 6, 16\\)"):
         _use(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=TOPK)), sa.SFACache(gpt2))
     deeper = sa.compose(tiny_model("llama", num_hidden_layers=3), sa.SFAConfig(topk=TOPK))
+    with pytest.raises(ValueError, match="past_key_values: expected an SFACache built for this model"):
+        _use(deeper, sa.SFACache(llama))
     with pytest.raises(ValueError, match="past_key_values: expected an SFACache built for this model, got one built "
                                          "for 2 attention layers, given layer 2"):
-        _use(deeper, sa.SFACache(llama))
+        sa.SFACache(llama).update(torch.zeros(2, 2, 6, 16), torch.zeros(2, 2, 6, 16), 2)
     for layer in sfa_layers(llama):
         layer.matching = True
     with pytest.raises(ValueError, match="past_key_values: expected no SFACache while the output-matching term"):

@@ -149,7 +149,7 @@ def test_micro_batches_give_the_gradients_of_the_whole_batch():
     for parts in (1, 2):
         model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
         model.eval()
-        params = list(finetune_module.base_parameters(model).values())
+        params = list(finetune_module.trained_parameters(model).values())
         for p in params:
             p.requires_grad_(True)
         layers = list(sfa_layers(model))
