@@ -111,12 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(the mean squared difference between each layer's SFA output and its stop-gradient dense "
                     "output); --method dense fine-tunes the plain model on the same data, the baseline to compare "
                     "with. Held-out perplexity (causal) is measured before and after. Writes OUT/model.safetensors "
-                    "(the weights), OUT/adapter (the SFA config, for --method sfa) and OUT/result.json; checkpoints "
-                    "atomically (--resume continues). With --validate-every, early stopping: the loss on training "
-                    "files held back from training is measured as it trains, and the run ends with the weights of "
-                    "its best measurement (the held-out files stay for the final score). Runs on several processes "
-                    "when started by `accelerate launch` or "
-                    "`torchrun`: each takes an equal share of every batch (--batch-size must be a multiple of the "
+                    "(the model's own weights), OUT/adapter (the SFA config and feature maps, for --method sfa) and "
+                    "OUT/result.json; checkpoints atomically (--resume continues). With --validate-every, early "
+                    "stopping: the loss on training files held back from training is measured as it trains, and "
+                    "the run ends with the weights of its best measurement (the held-out files stay for the final "
+                    "score). Runs on several processes when started by `accelerate launch` or `torchrun`: each "
+                    "takes an equal share of every batch (--batch-size must be a multiple of the "
                     "number of processes) and gradients are averaged; the model is replicated (every process starts "
                     "from rank 0's weights), or sharded with an FSDP2 launch configuration (weights, gradients and "
                     "optimizer state). Every process computes the held-out perplexity on all --eval-windows windows "
@@ -351,10 +351,10 @@ def cmd_finetune(args) -> int:
     if args.validate_every:
         train_files, validation = hold_back(tokenizer, train_files, args.context, args.validation_windows)
     windows = token_windows(tokenizer, train_files, args.context, args.steps * args.batch_size)
-    uncalibrated = None
+    uncalibrated, calibration = None, windows[:args.calibration_windows]  # the first ones, in file order
     if mapped:
         uncalibrated = perplexity(model, held_out, desc="identity map", progress=runtime.is_main)["ppl"]
-        calibrate_feature_maps(model, windows[:args.calibration_windows], progress=runtime.is_main)
+        calibrate_feature_maps(model, calibration, progress=runtime.is_main)
     before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
@@ -368,7 +368,7 @@ def cmd_finetune(args) -> int:
         record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
                   "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
                   "feature_map": args.feature_map if args.method == "sfa" else None,
-                  "calibration_windows": args.calibration_windows if mapped else None,
+                  "calibration_windows": len(calibration) if mapped else None,
                   "ppl_identity_map": uncalibrated,
                   "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
                   "history": result["history"], "validation_windows": 0 if validation is None else len(validation),

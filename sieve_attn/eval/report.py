@@ -62,7 +62,9 @@ def environment() -> dict:
     commit = git_commit(short=True)
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
-            "threads": torch.get_num_threads(), "commit": commit}
+            "threads": torch.get_num_threads(), "commit": commit,
+            # TF32 matmuls for float32 (torch.backends.cuda.matmul.allow_tf32, or TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1)
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
 
 
 def write_json(record: dict, path) -> Path:

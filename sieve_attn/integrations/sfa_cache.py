@@ -9,6 +9,7 @@ how to read them.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -41,6 +42,15 @@ class SFACacheLayer(CacheLayerMixin):
         self.is_sliding = window is not None
         self.store: Optional[SFAKeyCache] = None
         self.seen = 0
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy of a cache (transformers' way to reuse a prompt's cache) copies the codes; the copy still
+        # belongs to the same model, so the SFA layer is shared, not copied.
+        memo[id(self.sfa)] = self.sfa
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -151,8 +161,8 @@ class SFACache(Cache):
 
     Sliding-window layers (from the model config, as transformers' DynamicCache reads it) keep between window - 1
     and 2 * window - 1 tokens (:class:`SFACacheLayer`). Beam search (``reorder_cache``), ``batch_select_indices``,
-    ``batch_repeat_interleave``, ``crop`` (a negative count) and ``reset`` are supported; ``torch.compile`` of the
-    decode step and offloading are not.
+    ``batch_repeat_interleave``, ``crop`` (a negative count), ``reset`` and ``copy.deepcopy`` (a copy for the same
+    model) are supported; ``torch.compile`` of the decode step and offloading are not.
 
     Args:
         model: a transformers decoder composed with an SFAConfig (alone or with a FocusConfig), still running the
@@ -160,8 +170,9 @@ class SFACache(Cache):
         capacity: tokens each layer allocates at first (at least the first call's tokens); a layer doubles its
             capacity whenever an append does not fit.
 
-    The cache is bound to the model's shape and topk: a layer receiving keys of another head count or head dim, a
-    layer index past the model's layers, or a model composed with another topk raises ValueError naming
+    The cache is bound to the SFA layers of the model it was built for, whose top-k and feature maps code its keys:
+    a layer receiving keys of another head count or head dim, a layer index past the model's layers, or any other
+    model's attention reading it raises ValueError naming
     ``past_key_values``; so do a model not composed with SFA or one switched to another attention implementation
     (``model``).
     """

@@ -163,8 +163,7 @@ def compose(model: nn.Module, *configs) -> nn.Module:
                         f"'triton'; PyTorch's attention under 'sdpa' has no softcap)", "'sdpa'")
     modules = attention_modules(model)
     text = model.config.get_text_config()
-    first = next(model.parameters())
-    device = first.device
+    device = next(model.parameters()).device
     for param in model.parameters():
         param.requires_grad_(False)
     for _, module in modules:
@@ -172,8 +171,7 @@ def compose(model: nn.Module, *configs) -> nn.Module:
             module.add_module(LAYER_ATTR, FocusLayer(text.hidden_size, focus).to(device).train(model.training))
             module.register_forward_pre_hook(_observe_hidden_states, with_kwargs=True)
         if sfa is not None:
-            layer = SFALayer(sfa, kv_heads(model), head_dim(model))
-            module.add_module(SFA_ATTR, layer.to(device=device, dtype=first.dtype))
+            module.add_module(SFA_ATTR, SFALayer(sfa, kv_heads(model), head_dim(model)).to(device))
     _register()
     model.set_attn_implementation(ATTENTION_NAME)
     model.sieve_config, model.sieve_sfa_config = focus, sfa

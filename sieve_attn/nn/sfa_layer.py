@@ -21,8 +21,9 @@ class CachedKeys:
 
     ``cache`` already holds this call's Tq tokens: Tk = len(cache), and query i sits at cache position Tk - Tq + i.
     ``new`` is the dense keys [B, Hkv, Tq, D] of this call's tokens when the cache held none before it (a prompt,
-    Tk == Tq), else None. Both hold the keys as the feature map of ``layer``, the SFA layer the cache was built
-    for, mapped them (:meth:`SFALayer.map_keys`). Any other attribute raises AttributeError: only :meth:`SFALayer.attend` reads these keys.
+    Tk == Tq), else None. Both hold the keys as mapped by the feature map of ``layer``, the SFA layer the cache was
+    built for (:meth:`SFALayer.map_keys`). Any other attribute raises AttributeError: only
+    :meth:`SFALayer.attend` reads these keys.
     """
 
     __slots__ = ("cache", "new", "layer")
@@ -44,6 +45,29 @@ class CachedKeys:
                              "by the 'sieve_focus' attention function of a model composed with an SFAConfig")
 
 
+class Moments:
+    """Running second moments of one layer's q and k (after RoPE, before any feature map), in float32:
+    ``keys`` [Hkv, D, D], the sum of k k^T over the keys of each KV head; ``queries`` [Hkv, D, D], the sum of q q^T
+    over the queries of each KV head's query heads; ``key_count`` and ``query_count``, the vectors summed per KV
+    head."""
+
+    def __init__(self):
+        self.keys = self.queries = None
+        self.key_count = self.query_count = 0
+
+    def add(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Adds q [B, Hq, Tq, D] and k [B, Hkv, Tk, D]."""
+        kv_heads = k.shape[1]
+        keys = k.float()
+        queries = q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads)).transpose(2, 3).flatten(2, 3)
+        key_sum = torch.einsum("bhtd,bhte->hde", keys, keys)
+        query_sum = torch.einsum("bhtd,bhte->hde", queries, queries)
+        self.keys = key_sum if self.keys is None else self.keys + key_sum
+        self.queries = query_sum if self.queries is None else self.queries + query_sum
+        self.key_count += keys.shape[0] * keys.shape[2]
+        self.query_count += queries.shape[0] * queries.shape[2]
+
+
 class SFALayer(nn.Module):
     """Computes one attention layer with Sparse Feature Attention.
 
@@ -55,9 +79,8 @@ class SFALayer(nn.Module):
     (on the unmapped q and k) without gradient and records mean((O_sfa - O_dense)^2) over batch, heads, tokens and
     features in ``matching_terms``: the paper's output-matching regulariser (Eq. 8), averaged over heads.
 
-    While ``moments`` is a list (:func:`sieve_attn.calibrate_feature_maps` sets it), each call on dense keys
-    appends (sum of k k^T per KV head [Hkv, D, D], sum of q q^T over the KV head's query heads [Hkv, D, D], keys
-    summed per KV head, queries summed per KV head) of its unmapped q and k, in float32.
+    While ``moments`` is a :class:`Moments` (:func:`sieve_attn.calibrate_feature_maps` sets one), each call on dense
+    keys adds its unmapped q and k to it.
     """
 
     def __init__(self, config: SFAConfig, kv_heads: int, head_dim: int):
@@ -68,7 +91,9 @@ class SFALayer(nn.Module):
         self.topk = config.topk
         self.matching = False
         self.matching_terms: list[torch.Tensor] = []
-        self.moments: Optional[list] = None
+        self.moments: Optional[Moments] = None
+        # Stored in float32 whatever the model's dtype, as the Focus routers are: in bfloat16 the calibrated axes
+        # would be orthogonal only to about 2e-3 and small optimizer steps would round away. map_* cast it at use.
         self.feature_map = nn.Parameter(torch.eye(head_dim).repeat(kv_heads, 1, 1), requires_grad=False) \
             if config.feature_map else None
 
@@ -126,21 +151,15 @@ class SFALayer(nn.Module):
         # The cache codes keys with its layers' top-k and feature maps: those of the model it was built for.
         if k.layer is not self:
             fail("past_key_values", "an SFACache built for this model (SFACache(model))",
-                 f"one built for another model (its keys keep topk {k.cache.topk} coordinates, this layer's "
-                 f"{self.config.topk})")
+                 "one built for the SFA layers of another model")
         if self.matching and torch.is_grad_enabled():
             fail("past_key_values", "no SFACache while the output-matching term is recorded (it needs dense keys)",
                  "an SFACache")
 
     def _record_moments(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        if self.moments is None:
-            return
-        kv_heads = k.shape[1]
-        with torch.no_grad():
-            k32 = k.float()
-            q32 = q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads)).transpose(2, 3).flatten(2, 3)
-            self.moments.append((torch.einsum("bhtd,bhte->hde", k32, k32), torch.einsum("bhtd,bhte->hde", q32, q32),
-                                 k.shape[0] * k.shape[2], q32.shape[0] * q32.shape[2]))
+        if self.moments is not None:
+            with torch.no_grad():
+                self.moments.add(q, k)
 
     def _dense_target(self, q, k, v, attn_mask, scale, softcap) -> Optional[torch.Tensor]:
         if not (self.matching and torch.is_grad_enabled()):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import fail
+from .._checks import check_int, fail
 from ..integrations.transformers import head_dim, sfa_layers
+from ..nn.sfa_layer import Moments
 
 
 @torch.no_grad()
@@ -19,7 +20,7 @@ def calibrate_feature_maps(model, windows: torch.Tensor, *, batch_size: int = 1,
     that carry most of q's and k's energy are single coordinates, which the top-k keeps; being orthogonal, the map
     leaves every dense score q . k unchanged. The moments are those of the dense model: the windows run with every
     SFA layer at top-k = D (dense scores) and without a map, whatever maps the layers had before (a Focus pattern
-composed too stays in its current mode).
+    composed too stays in its current mode).
 
     Every process of a multi-process run must call it with the same windows (a sharded model needs each of them
     for every forward); each computes the same maps.
@@ -30,11 +31,12 @@ composed too stays in its current mode).
              "a model without SFA" if not layers else "SFA layers without a feature map")
     if windows.dim() != 2 or len(windows) == 0:
         fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
+    batch_size = check_int("batch_size", batch_size, 1)
     dim = head_dim(model)
     device = next(model.parameters()).device
     saved = [(layer.topk, layer.feature_map.detach().clone()) for layer in layers]
     for layer in layers:
-        layer.topk, layer.moments = dim, []
+        layer.topk, layer.moments = dim, Moments()
         layer.feature_map.copy_(torch.eye(dim, device=layer.feature_map.device))
     try:
         for start in tqdm(range(0, len(windows), batch_size), desc="calibrate", disable=not progress, leave=False):
@@ -52,12 +54,10 @@ composed too stays in its current mode).
     return model
 
 
-def _principal_axes(moments: list) -> torch.Tensor:
+def _principal_axes(moments: Moments) -> torch.Tensor:
     """[Hkv, D, D]: per KV head, the eigenvectors (columns, by decreasing eigenvalue) of the trace-normalised sum
-    of the recorded key and query second moments (:attr:`SFALayer.moments`)."""
-    keys = sum(m[0] for m in moments) / sum(m[2] for m in moments)
-    queries = sum(m[1] for m in moments) / sum(m[3] for m in moments)
-    joint = _unit_trace(keys) + _unit_trace(queries)
+    of the mean key and query second moments."""
+    joint = _unit_trace(moments.keys / moments.key_count) + _unit_trace(moments.queries / moments.query_count)
     return torch.linalg.eigh(joint.double()).eigenvectors.flip(-1).float()
 
 

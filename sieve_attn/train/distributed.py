@@ -14,8 +14,8 @@ in one plain process nothing here runs.
   of buckets of at most ``BUCKET_ELEMENTS`` values each step, so the optimizer states are the same on every rank.
 - The model, sharded with FSDP2 when the launch carries an FSDP configuration (``accelerate launch --use_fsdp
   --fsdp_version 2 ...``): accelerate's FSDP2 routine shards it while the Focus and SFA layers are taken out, so
-  routers and SFA feature maps stay plain replicated tensors (treated as above). FSDP2 averages the gradients of the sharded weights itself (a
-  reduce-scatter): they are not averaged again. Retrofit shards a frozen base; fine-tuning trains the sharded
+  routers and SFA feature maps stay plain replicated tensors (treated as above). FSDP2 averages the gradients of
+  the sharded weights itself (a reduce-scatter): they are not averaged again. Retrofit shards a frozen base; fine-tuning trains the sharded
   weights, and its optimizer, built after sharding, holds only this rank's shards of them.
 - Files. Checkpoints, adapters and weights are written by rank 0 alone, in the single-process format (sharded
   tensors are gathered first): a checkpoint of W processes resumes in any number of processes.
@@ -298,8 +298,8 @@ def _shard_base(accelerator, plugin, model) -> list:
 
 
 def _move_layers(layers, device) -> None:
-    """Moves Focus and SFA layers to ``device``. Layers built on a model left empty (meta) by CPU-RAM-efficient loading get
-    uninitialised storage there; rank 0's values are broadcast into them next."""
+    """Moves Focus and SFA layers to ``device``. Layers built on a model left empty (meta) by CPU-RAM-efficient
+    loading get uninitialised storage there; rank 0's values are broadcast into them next."""
     for layer in layers:
         if any(t.is_meta for t in itertools.chain(layer.parameters(), layer.buffers())):
             layer.to_empty(device=device)

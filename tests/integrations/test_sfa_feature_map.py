@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import sieve_attn as sa
 import sieve_attn.nn.sfa_layer as sfa_layer
 from sieve_attn.integrations.transformers import adapter_state, sfa_layers
-from sieve_attn.nn.sfa_layer import SFALayer
+from sieve_attn.nn.sfa_layer import Moments, SFALayer
 from sieve_attn.train.calibrate import _principal_axes
 from sieve_attn.train.finetune import FinetuneSettings, finetune, load_weights
 
@@ -118,9 +118,12 @@ def test_moments_are_those_of_the_unmapped_q_and_k():
     k, v = (torch.randn(2, KV_HEADS, 6, HEAD_DIM, generator=generator) for _ in range(2))
     with torch.no_grad():
         layer.feature_map.copy_(torch.randn(KV_HEADS, HEAD_DIM, HEAD_DIM, generator=generator))
-        layer.moments = []
+        layer.moments = Moments()
         layer.attend(q, k, v)
-    (keys, queries, key_count, query_count), = layer.moments
+        layer.attend(q, k, v)  # the sums run over calls
+    moments = layer.moments
+    keys, queries = moments.keys / 2, moments.queries / 2
+    key_count, query_count = moments.key_count // 2, moments.query_count // 2
     outer = lambda x: torch.einsum("btd,bte->de", x, x)  # noqa: E731
     torch.testing.assert_close(keys, torch.stack([outer(k[:, g]) for g in range(KV_HEADS)]), rtol=1e-5, atol=1e-4)
     expected = torch.stack([outer(q[:, 2 * g]) + outer(q[:, 2 * g + 1]) for g in range(KV_HEADS)])
@@ -163,7 +166,7 @@ def test_principal_axes_let_the_topk_keep_the_scores():
 
     with torch.no_grad():
         identity = error(layer.attend(q, k, v))
-        layer.moments, layer.topk = [], dim
+        layer.moments, layer.topk = Moments(), dim
         assert error(layer.attend(q, k, v)) < 1e-5  # top-k = D, identity map: dense attention
         axes = _principal_axes(layer.moments)
         layer.moments, layer.topk = None, TOPK
@@ -266,11 +269,24 @@ def test_misuse_is_refused():
     for bad in (torch.zeros(0, 8, dtype=torch.long), windows[0]):
         with pytest.raises(ValueError, match="windows: expected token ids"):
             sa.calibrate_feature_maps(_mapped(), bad, progress=False)
+    with pytest.raises(ValueError, match="batch_size: expected an int in \\[1"):
+        sa.calibrate_feature_maps(_mapped(), windows, batch_size=0, progress=False)
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="feature_map: expected True or False"):
             sa.SFAConfig(feature_map=bad)
     config = sa.SFAConfig(topk=TOPK, feature_map=True)
     assert sa.SFAConfig.from_dict(config.to_dict()) == config
+
+
+def test_maps_stay_float32_in_a_bfloat16_model():
+    """The map is stored in float32 (its calibrated axes orthogonal to float32 precision) and cast at use."""
+    model = sa.compose(tiny_model("llama").to(torch.bfloat16), sa.SFAConfig(topk=TOPK, feature_map=True))
+    sa.calibrate_feature_maps(model, _calibration_windows(), progress=False)
+    for layer in sfa_layers(model):
+        eye = torch.eye(HEAD_DIM).expand_as(layer.feature_map)
+        assert layer.feature_map.dtype == torch.float32
+        torch.testing.assert_close(layer.feature_map.transpose(1, 2) @ layer.feature_map, eye, rtol=0, atol=1e-5)
+    assert _logits(model, random_ids(2, 12)).dtype == torch.bfloat16
 
 
 def test_finetune_trains_the_maps_and_writes_them_to_the_adapter_only(tmp_path):
