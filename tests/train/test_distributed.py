@@ -132,16 +132,21 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _assert_same_run(task: str, out: Path, reference: Path) -> None:
     """Same steps and history values (loss; for fine-tuning also the matching term) in the checkpoints, and the same
-    trained tensors (routers or weights): names, shapes, dtypes, and values within the module docstring's
-    tolerances."""
+    trained tensors (routers, or weights and the CLI's SFA feature maps): names, shapes, dtypes, and values within
+    the module docstring's tolerances."""
     got, want = _history(out), _history(reference)
     assert [row[0] for row in got] == [row[0] for row in want]
     values = [[value for row in history for value in row[1:]] for history in (got, want)]
     assert values[0] == pytest.approx(values[1], rel=1e-5, abs=0)
-    a, b = _tensors(out / TRAINED[task]), _tensors(reference / TRAINED[task])
-    assert {k: (tuple(v.shape), v.dtype) for k, v in a.items()} == {k: (tuple(v.shape), v.dtype) for k, v in b.items()}
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=ATOL[task], msg=name)
+    files = [TRAINED[task]]
+    if task == "finetune" and (reference / "adapter").exists():  # the CLI's: the SFA feature maps it trained
+        files.append("adapter/adapter.safetensors")
+    for file in files:
+        a, b = _tensors(out / file), _tensors(reference / file)
+        assert a and {k: (tuple(v.shape), v.dtype) for k, v in a.items()} == \
+            {k: (tuple(v.shape), v.dtype) for k, v in b.items()}
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=ATOL[task], msg=name)
 
 
 def _checkpoint_layout(out: Path) -> tuple:
