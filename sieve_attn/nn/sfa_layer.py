@@ -45,6 +45,11 @@ class CachedKeys:
                              "by the 'sieve_focus' attention function of a model composed with an SFAConfig")
 
 
+def _by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [B, Hq, T, D] as [B, Hkv, Hq / Hkv, T, D]: query head h under KV head h // (Hq / Hkv), as GQA groups them."""
+    return q.unflatten(1, (kv_heads, q.shape[1] // kv_heads))
+
+
 class Moments:
     """Running second moments of one layer's q and k (after RoPE, before any feature map), in float32:
     ``keys`` [Hkv, D, D], the sum of k k^T over the keys of each KV head; ``queries`` [Hkv, D, D], the sum of q q^T
@@ -52,18 +57,15 @@ class Moments:
     head."""
 
     def __init__(self):
-        self.keys = self.queries = None
+        self.keys = self.queries = 0  # tensors after the first add
         self.key_count = self.query_count = 0
 
     def add(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Adds q [B, Hq, Tq, D] and k [B, Hkv, Tk, D]."""
-        kv_heads = k.shape[1]
         keys = k.float()
-        queries = q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads)).transpose(2, 3).flatten(2, 3)
-        key_sum = torch.einsum("bhtd,bhte->hde", keys, keys)
-        query_sum = torch.einsum("bhtd,bhte->hde", queries, queries)
-        self.keys = key_sum if self.keys is None else self.keys + key_sum
-        self.queries = query_sum if self.queries is None else self.queries + query_sum
+        queries = _by_kv_head(q.float(), k.shape[1]).transpose(2, 3).flatten(2, 3)  # [B, Hkv, Tq * Hq / Hkv, D]
+        self.keys = self.keys + torch.einsum("bhtd,bhte->hde", keys, keys)
+        self.queries = self.queries + torch.einsum("bhtd,bhte->hde", queries, queries)
         self.key_count += keys.shape[0] * keys.shape[2]
         self.query_count += queries.shape[0] * queries.shape[2]
 
@@ -110,8 +112,7 @@ class SFALayer(nn.Module):
         """q [B, Hq, T, D] in the feature basis of each query head's KV head (q itself without a feature map)."""
         if self.feature_map is None:
             return q
-        kv_heads = self.feature_map.shape[0]
-        grouped = q.unflatten(1, (kv_heads, q.shape[1] // kv_heads))  # [B, Hkv, Hq / Hkv, T, D]
+        grouped = _by_kv_head(q, self.feature_map.shape[0])
         return torch.matmul(grouped, self.feature_map.to(q.dtype)[:, None]).flatten(1, 2)
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None, focus=None) -> torch.Tensor:
