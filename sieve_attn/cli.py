@@ -57,8 +57,9 @@ def _train_args(parser: argparse.ArgumentParser, steps: int, lr: float = 1e-2) -
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--checkpoint-every", type=int, default=10, help="steps between atomic checkpoints (10)")
     group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    group.add_argument("--train-text", default=None,
-                       help="file or folder to train on (default: the standard library's training split)")
+    group.add_argument("--train-text", nargs="+", default=None, metavar="PATH",
+                       help="files or folders to train on, in this order; the word stdlib stands for the standard "
+                            "library's training split (default: stdlib)")
 
 
 def _eval_args(parser: argparse.ArgumentParser, windows: int) -> None:
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "dense q and k before the top-k (an orthogonal map per KV head, computed from "
                            "--calibration-windows training windows, then trained with the model), so the top-k keeps "
                            "more of each score; none: the top-k of q and k as they are (the paper's GPT-2 form)")
+    tune.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+                      help="no (default): train in float32; bf16: the training forwards under autocast to bfloat16 "
+                           "(matrix products and attention in bfloat16, weights and optimizer state in float32; "
+                           "validation and the held-out scores stay float32)")
     tune.add_argument("--calibration-windows", type=int, default=16,
                       help="SFA with --feature-map pca: training windows the principal axes are computed from (16)")
     _train_args(tune, steps=100, lr=5e-5)
@@ -214,10 +219,12 @@ def _setup(args):
 
 
 def _files(text, split: int) -> list:
-    """The files of ``text`` (a file or folder), or of the standard library's split (0 training, 1 held out)."""
+    """The files of ``text`` (a path of a file or folder, or a list of them, in order; the word "stdlib", or None,
+    stands for the standard library's split: 0 training, 1 held out)."""
     from .data.text import stdlib_split, text_files
 
-    return text_files(text) if text else stdlib_split()[split]
+    paths = [text] if text is None or isinstance(text, str) else text
+    return [f for path in paths for f in (stdlib_split()[split] if path in (None, "stdlib") else text_files(path))]
 
 
 def _windows(tokenizer, text, split: int, context: int, count):
@@ -359,7 +366,7 @@ def cmd_finetune(args) -> int:
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
                                 micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
-                                validate_every=args.validate_every)
+                                validate_every=args.validate_every, mixed_precision=args.mixed_precision)
     result = finetune(model, windows, args.out, settings, validation=validation, resume=args.resume)
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:
@@ -367,6 +374,7 @@ def cmd_finetune(args) -> int:
             save_adapter(model, args.out / "adapter")
         record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
                   "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
+                  "train_text": args.train_text or ["stdlib"], "training_windows": len(windows),
                   "feature_map": args.feature_map if args.method == "sfa" else None,
                   "calibration_windows": len(calibration) if mapped else None,
                   "ppl_identity_map": uncalibrated,

@@ -91,3 +91,18 @@ def test_training_starts_from_the_seed_whatever_the_random_state(tmp_path):
     (history_a, routers_a), (history_b, routers_b) = runs
     assert history_a == history_b
     assert routers_a.keys() == routers_b.keys() and all(torch.equal(routers_a[k], routers_b[k]) for k in routers_a)
+
+
+def test_train_text_takes_several_paths_in_order_and_stdlib_for_the_training_split(tmp_path):
+    from sieve_attn.cli import _files
+    from sieve_attn.data.text import stdlib_split
+
+    (tmp_path / "b.py").write_text("b = 2\n")
+    (tmp_path / "a.txt").write_text("a = 1\n")
+    train, held = stdlib_split()
+    args = build_parser().parse_args(["finetune", "--train-text", "stdlib", str(tmp_path / "b.py"), str(tmp_path)])
+    assert _files(args.train_text, 0) == [*train, tmp_path / "b.py", tmp_path / "a.txt", tmp_path / "b.py"]
+    assert _files(None, 0) == train and _files(None, 1) == held and _files(str(tmp_path / "a.txt"), 1) == [
+        tmp_path / "a.txt"]
+    with pytest.raises(ValueError, match="text: expected an existing file or folder"):
+        _files(["stdlib", str(tmp_path / "missing")], 0)

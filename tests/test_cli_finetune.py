@@ -13,6 +13,7 @@ def test_help_explains_finetune(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
     assert "--matching-weight" in text and "early stopping" in text and "--validation-windows" in text
     assert "--feature-map" in text and "principal axes" in text and "--calibration-windows" in text
+    assert "--mixed-precision" in text and "autocast to bfloat16" in text
     # Several processes: the split of each batch, and who evaluates and writes.
     assert "`accelerate launch`" in text and "--batch-size must be a multiple of the number of processes" in text
     assert "Every process computes the held-out perplexity" in text and "rank 0 alone prints it" in text
@@ -61,13 +62,15 @@ def test_finetune_refuses_no_calibration_windows(tmp_path):
 @pytest.mark.slow
 def test_finetune_with_early_stopping_records_its_validations(tmp_path):
     assert main(["finetune", "--method", "dense", "--context", "32", "--threads", "1", "--steps", "2",
-                 "--validate-every", "1", "--validation-windows", "2", "--eval-windows", "1", "--out",
-                 str(tmp_path)]) == 0
+                 "--validate-every", "1", "--validation-windows", "2", "--eval-windows", "1", "--mixed-precision",
+                 "bf16", "--out", str(tmp_path)]) == 0
     from safetensors.torch import load_file
 
     record = json.loads((tmp_path / "result.json").read_text())
     losses = [loss for _, loss in record["validations"]]
     assert [step for step, _ in record["validations"]] == [1, 2] and record["validation_windows"] == 2
+    assert record["settings"]["mixed_precision"] == "bf16"
+    assert record["train_text"] == ["stdlib"] and record["training_windows"] == 2
     assert record["best_step"] == 1 + losses.index(min(losses))
     best = load_file(str(tmp_path / f"best-{record['best_step']}.safetensors"))
     final = load_file(str(tmp_path / "model.safetensors"))

@@ -32,10 +32,17 @@ _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
 @dataclass
 class FinetuneSettings(loop.TrainSettings):
     """``matching_weight``: the weight of the output-matching term. ``topk_warmup``: steps over which SFA's top-k
-    falls from the head dim (dense) to its configured value (:func:`topk_at`); 0 starts at the configured value."""
+    falls from the head dim (dense) to its configured value (:func:`topk_at`); 0 starts at the configured value.
+    ``mixed_precision``: "no" (every training forward in the weights' dtype) or "bf16" (the training forwards under
+    ``torch.autocast`` to bfloat16: matrix products and attention in bfloat16, the weights, their gradients and the
+    optimizer state stay in their dtype); validation and evaluation always run in the weights' dtype."""
 
     matching_weight: float = 1.0
     topk_warmup: int = 0
+    mixed_precision: str = "no"
+
+
+MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}
 
 
 def topk_at(step: int, topk: int, dim: int, warmup: int) -> int:
@@ -52,6 +59,8 @@ def _check(windows: torch.Tensor, settings: FinetuneSettings) -> None:
     if not isinstance(settings.matching_weight, (int, float)) or settings.matching_weight < 0:
         fail("matching_weight", "a number >= 0", repr(settings.matching_weight))
     check_int("topk_warmup", settings.topk_warmup, 0)
+    if settings.mixed_precision not in MIXED_PRECISION:
+        fail("mixed_precision", f"one of {sorted(MIXED_PRECISION)}", repr(settings.mixed_precision))
 
 
 def _set_topk(layers: list, step: int, warmup: int, dim: int) -> None:
@@ -86,15 +95,17 @@ def _clear(layers) -> None:
         layer.matching_terms.clear()
 
 
-def _train_step(model, params, optimizer, layers, matching_weight: float, runtime,
+def _train_step(model, params, optimizer, layers, matching_weight: float, runtime, autocast_dtype,
                 micro_batches: tuple[torch.Tensor, ...]) -> tuple:
-    """One optimizer step on this process's share of a global batch, given as equal micro-batches; returns (LM
-    loss, matching term or None) of the global batch."""
+    """One optimizer step on this process's share of a global batch, given as equal micro-batches, with the
+    forwards under autocast to ``autocast_dtype`` (None: off); returns (LM loss, matching term or None) of the
+    global batch."""
     optimizer.zero_grad(set_to_none=True)
     lm_total, matching_total = 0.0, None
     for batch in micro_batches:
-        lm = model(batch, labels=batch, use_cache=False).loss / len(micro_batches)
-        matching = _matching_loss(layers)
+        with torch.autocast(batch.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            lm = model(batch, labels=batch, use_cache=False).loss / len(micro_batches)
+            matching = _matching_loss(layers)
         if matching is not None:
             matching = matching / len(micro_batches)
             matching_total = matching.detach() + (0.0 if matching_total is None else matching_total)
@@ -269,7 +280,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
         checkpointed=partial(_drop_superseded_bests, out_dir, runtime=runtime))
     job = loop.Job("finetune",
                    step=partial(_train_step, model, list(params.values()), optimizer, layers,
-                                settings.matching_weight, runtime),
+                                settings.matching_weight, runtime, MIXED_PRECISION[settings.mixed_precision]),
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
                    restore=partial(_restore, model, optimizer, params, out_dir if validating else None),
                    begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),

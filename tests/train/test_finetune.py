@@ -155,13 +155,51 @@ def test_micro_batches_give_the_gradients_of_the_whole_batch():
         layers = list(sfa_layers(model))
         for layer in layers:
             layer.matching = True
-        values = finetune_module._train_step(model, params, KeepGrads(), layers, 1.0, Runtime(),
+        values = finetune_module._train_step(model, params, KeepGrads(), layers, 1.0, Runtime(), None,
                                              _windows()[:4].split(4 // parts))
         results.append((values, [p.grad.clone() for p in params]))
     (whole_values, whole_grads), (micro_values, micro_grads) = results
     assert micro_values == pytest.approx(whole_values, rel=1e-6)
     for whole, micro in zip(whole_grads, micro_grads):
         torch.testing.assert_close(micro, whole, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["sfa", "dense"])
+def test_bf16_mixed_precision_runs_the_forwards_in_bfloat16_and_keeps_float32_weights(tmp_path, method):
+    """mixed_precision="bf16": the attention projections' outputs are bfloat16 during training (autocast is on),
+    the loss is close to the float32 one but not equal to it, and the weights (SFA feature maps too), gradients and
+    the returned model stay float32; validation runs in float32."""
+    from sieve_attn.train import finetune as finetune_module
+    from sieve_attn.train.distributed import Runtime
+
+    def model_of():
+        model = tiny_model("llama")
+        return sa.compose(model, sa.SFAConfig(topk=4, feature_map=True)) if method == "sfa" else model
+
+    losses, dtypes = [], []
+    for autocast_dtype in (None, torch.bfloat16):
+        model = model_of().eval()
+        params = finetune_module.trained_parameters(model)
+        for p in params.values():
+            p.requires_grad_(True)
+        hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda module, inputs, output: dtypes.append(output.dtype))
+        optimizer = torch.optim.SGD(params.values(), lr=0.0)
+        (loss, _) = finetune_module._train_step(model, list(params.values()), optimizer, [], 0.0, Runtime(),
+                                                autocast_dtype, _windows()[:2].split(2))
+        hook.remove()
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params.values())
+        losses.append(float(loss))
+    assert dtypes == [torch.float32, torch.bfloat16]
+    assert losses[0] != losses[1] and losses[1] == pytest.approx(losses[0], rel=2e-2)
+
+    model = model_of()
+    settings = FinetuneSettings(steps=3, lr=3e-3, warmup=1, batch_size=2, mixed_precision="bf16", validate_every=3)
+    result = finetune(model, _windows(), tmp_path, settings, validation=_windows()[:2], progress=False)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert result["history"][-1][1] < result["history"][0][1]
+    with pytest.raises(ValueError, match="mixed_precision: expected one of \\['bf16', 'no'\\], got 'fp16'"):
+        finetune(model_of(), _windows(), tmp_path / "bad", FinetuneSettings(mixed_precision="fp16"))
 
 
 def _scripted_validation(monkeypatch, losses, weights):
