@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no (default): train in float32; bf16: the training forwards under autocast to bfloat16 "
                            "(matrix products and attention in bfloat16, weights and optimizer state in float32; "
                            "validation and the held-out scores stay float32)")
+    tune.add_argument("--teacher", type=Path, default=None, metavar="WEIGHTS",
+                      help="distill from a teacher: the model.safetensors of a fine-tune of --model (e.g. the dense "
+                           "baseline's), loaded into a second, frozen copy of --model; the loss gains "
+                           "--distill-weight times KL(teacher || model) of the next-token distributions (default: "
+                           "no teacher)")
+    tune.add_argument("--distill-weight", type=float, default=1.0,
+                      help="with --teacher: weight of the distillation term (1.0)")
     tune.add_argument("--calibration-windows", type=int, default=16,
                       help="SFA with --feature-map pca: training windows the principal axes are computed from (16)")
     _train_args(tune, steps=100, lr=5e-5)
@@ -336,9 +343,10 @@ def cmd_finetune(args) -> int:
     from .data.text import hold_back, token_windows
     from .eval.perplexity import perplexity
     from .eval.report import environment, write_json
+    from .models import load_model
     from .train import distributed
     from .train.calibrate import calibrate_feature_maps
-    from .train.finetune import FinetuneSettings, finetune
+    from .train.finetune import FinetuneSettings, finetune, load_weights
 
     started = time.time()
     if args.calibration_windows < 1:
@@ -352,6 +360,10 @@ def cmd_finetune(args) -> int:
         compose(model, SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped))
     runtime = distributed.runtime(args.batch_size)
     runtime.place(model)  # an FSDP launch shards it here, so that every process can take part in evaluating it
+    teacher = None
+    if args.teacher is not None:
+        teacher, _ = load_model(args.model)  # on the CPU; finetune moves it to the model's device
+        load_weights(teacher, args.teacher)
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     train_files = _files(args.train_text, 0)
     validation = None
@@ -366,8 +378,10 @@ def cmd_finetune(args) -> int:
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
                                 micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
-                                validate_every=args.validate_every, mixed_precision=args.mixed_precision)
-    result = finetune(model, windows, args.out, settings, validation=validation, resume=args.resume)
+                                validate_every=args.validate_every, mixed_precision=args.mixed_precision,
+                                distill_weight=0.0 if teacher is None else args.distill_weight)
+    result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
+                      resume=args.resume)
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:
         if args.method == "sfa":
@@ -375,6 +389,7 @@ def cmd_finetune(args) -> int:
         record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
                   "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
                   "train_text": args.train_text or ["stdlib"], "training_windows": len(windows),
+                  "teacher": None if args.teacher is None else str(args.teacher),
                   "feature_map": args.feature_map if args.method == "sfa" else None,
                   "calibration_windows": len(calibration) if mapped else None,
                   "ppl_identity_map": uncalibrated,

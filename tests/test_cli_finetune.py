@@ -14,6 +14,7 @@ def test_help_explains_finetune(capsys):
     assert "--matching-weight" in text and "early stopping" in text and "--validation-windows" in text
     assert "--feature-map" in text and "principal axes" in text and "--calibration-windows" in text
     assert "--mixed-precision" in text and "autocast to bfloat16" in text
+    assert "--teacher" in text and "KL(teacher || model)" in text
     # Several processes: the split of each batch, and who evaluates and writes.
     assert "`accelerate launch`" in text and "--batch-size must be a multiple of the number of processes" in text
     assert "Every process computes the held-out perplexity" in text and "rank 0 alone prints it" in text
@@ -51,6 +52,21 @@ def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend, f
     evaluated = json.loads((out / "eval.json").read_text())
     assert evaluated["rows"][0]["ppl"] == pytest.approx(record["ppl_after"], rel=1e-6)
     assert (evaluated["sfa_config"] is None) == (method == "dense")
+
+
+@pytest.mark.slow
+def test_finetune_distills_from_the_dense_baseline(tmp_path):
+    common = ["--context", "32", "--threads", "1", "--steps", "2", "--eval-windows", "1", "--calibration-windows", "1"]
+    assert main(["finetune", "--method", "dense", *common, "--out", str(tmp_path / "dense")]) == 0
+    teacher = tmp_path / "dense" / "model.safetensors"
+    assert main(["finetune", "--method", "sfa", *common, "--teacher", str(teacher), "--distill-weight", "2",
+                 "--out", str(tmp_path / "sfa")]) == 0
+    record = json.loads((tmp_path / "sfa" / "result.json").read_text())
+    assert record["teacher"] == str(teacher) and record["settings"]["distill_weight"] == 2.0
+    assert all(row[3] > 0 for row in record["history"])  # the KL term of every step
+    with pytest.raises(ValueError, match="weights: expected the"):
+        main(["finetune", *common, "--teacher", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),
+              "--out", str(tmp_path / "bad")])
 
 
 def test_finetune_refuses_no_calibration_windows(tmp_path):

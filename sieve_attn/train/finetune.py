@@ -35,11 +35,14 @@ class FinetuneSettings(loop.TrainSettings):
     falls from the head dim (dense) to its configured value (:func:`topk_at`); 0 starts at the configured value.
     ``mixed_precision``: "no" (every training forward in the weights' dtype) or "bf16" (the training forwards under
     ``torch.autocast`` to bfloat16: matrix products and attention in bfloat16, the weights, their gradients and the
-    optimizer state stay in their dtype); validation and evaluation always run in the weights' dtype."""
+    optimizer state stay in their dtype); validation and evaluation always run in the weights' dtype.
+    ``distill_weight``: the weight of the distillation term (:func:`distillation_loss`) against the ``teacher``
+    that :func:`finetune` then needs; 0: none."""
 
     matching_weight: float = 1.0
     topk_warmup: int = 0
     mixed_precision: str = "no"
+    distill_weight: float = 0.0
 
 
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}
@@ -56,8 +59,10 @@ def topk_at(step: int, topk: int, dim: int, warmup: int) -> int:
 
 def _check(windows: torch.Tensor, settings: FinetuneSettings) -> None:
     loop.check_settings(windows, settings)
-    if not isinstance(settings.matching_weight, (int, float)) or settings.matching_weight < 0:
-        fail("matching_weight", "a number >= 0", repr(settings.matching_weight))
+    for name in ("matching_weight", "distill_weight"):
+        weight = getattr(settings, name)
+        if not isinstance(weight, (int, float)) or not weight >= 0:
+            fail(name, "a number >= 0", repr(weight))
     check_int("topk_warmup", settings.topk_warmup, 0)
     if settings.mixed_precision not in MIXED_PRECISION:
         fail("mixed_precision", f"one of {sorted(MIXED_PRECISION)}", repr(settings.mixed_precision))
@@ -95,26 +100,60 @@ def _clear(layers) -> None:
         layer.matching_terms.clear()
 
 
-def _train_step(model, params, optimizer, layers, matching_weight: float, runtime, autocast_dtype,
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """The mean over token positions of KL(teacher || student) between the next-token distributions of logits
+    [B, T, V] (computed in float32; no gradient flows to the teacher's logits)."""
+    student = student_logits.float().log_softmax(-1).flatten(0, -2)
+    teacher = teacher_logits.detach().float().log_softmax(-1).flatten(0, -2)
+    return torch.nn.functional.kl_div(student, teacher, reduction="batchmean", log_target=True)
+
+
+@dataclass
+class Objective:
+    """What a fine-tuning step minimises besides the LM loss: ``matching_weight`` times the mean matching term of
+    the SFA ``layers`` (empty: none), and ``distill_weight`` times :func:`distillation_loss` against the frozen
+    ``teacher`` (None: none); ``autocast_dtype`` is the dtype the forwards run under autocast in (None: off)."""
+
+    layers: list
+    matching_weight: float = 0.0
+    teacher: torch.nn.Module | None = None
+    distill_weight: float = 0.0
+    autocast_dtype: torch.dtype | None = None
+
+
+def _add(total, term):
+    return term.detach() + (0.0 if total is None else total)
+
+
+def _train_step(model, params, optimizer, objective: Objective, runtime,
                 micro_batches: tuple[torch.Tensor, ...]) -> tuple:
-    """One optimizer step on this process's share of a global batch, given as equal micro-batches, with the
-    forwards under autocast to ``autocast_dtype`` (None: off); returns (LM loss, matching term or None) of the
-    global batch."""
+    """One optimizer step on this process's share of a global batch, given as equal micro-batches; returns (LM
+    loss, matching term or None, distillation term or None) of the global batch."""
     optimizer.zero_grad(set_to_none=True)
-    lm_total, matching_total = 0.0, None
+    autocast = partial(torch.autocast, dtype=objective.autocast_dtype, enabled=objective.autocast_dtype is not None)
+    lm_total, matching_total, distill_total = 0.0, None, None
     for batch in micro_batches:
-        with torch.autocast(batch.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            lm = model(batch, labels=batch, use_cache=False).loss / len(micro_batches)
-            matching = _matching_loss(layers)
-        if matching is not None:
-            matching = matching / len(micro_batches)
-            matching_total = matching.detach() + (0.0 if matching_total is None else matching_total)
-        (lm if matching is None else lm + matching_weight * matching).backward()
-        _clear(layers)  # activation checkpointing runs the layers again in backward, which records the terms again
+        with autocast(batch.device.type):
+            out = model(batch, labels=batch, use_cache=False)
+            lm = out.loss / len(micro_batches)
+            matching = _matching_loss(objective.layers)
+            loss = lm
+            if matching is not None:
+                matching = matching / len(micro_batches)
+                matching_total = _add(matching_total, matching)
+                loss = loss + objective.matching_weight * matching
+            if objective.teacher is not None:
+                with torch.no_grad():
+                    target = objective.teacher(batch, use_cache=False).logits
+                distill = distillation_loss(out.logits, target) / len(micro_batches)
+                distill_total = _add(distill_total, distill)
+                loss = loss + objective.distill_weight * distill
+        loss.backward()
+        _clear(objective.layers)  # activation checkpointing runs the layers again in backward: terms again
         lm_total += lm.detach()
     runtime.average_gradients(params)
     optimizer.step()
-    return runtime.mean(lm_total), None if matching_total is None else runtime.mean(matching_total)
+    return tuple(None if total is None else runtime.mean(total) for total in (lm_total, matching_total, distill_total))
 
 
 def _gather_options():
@@ -220,7 +259,8 @@ def _save_weights(model, names: list[str], path: Path, runtime) -> None:
 
 
 def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings | None = None, *,
-             validation: torch.Tensor | None = None, resume: bool = False, progress: bool = True) -> dict:
+             validation: torch.Tensor | None = None, teacher: torch.nn.Module | None = None, resume: bool = False,
+             progress: bool = True) -> dict:
     """Trains every weight of ``model`` (plain, or composed with an SFAConfig, whose feature maps it trains too) on
     token windows [N, T].
 
@@ -244,7 +284,12 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     validation is never the best; with none better the model keeps its last weights. Every process validates on all
     the windows (a sharded model needs every process for each forward).
 
-    Returns {"steps", "history": [(step, lm loss, matching term or None)], "weights", "validations": [(step, NLL)],
+    Distillation: with ``settings.distill_weight`` > 0, ``teacher`` (a frozen model of the same vocabulary, e.g. the
+    dense fine-tune of the same model: :func:`load_weights`) is moved to the model's device and the loss gains
+    ``distill_weight`` * KL(teacher || model) per token (:func:`distillation_loss`); the teacher is not trained.
+
+    Returns {"steps", "history": [(step, lm loss, matching term or None, distillation term or None)], "weights",
+    "validations": [(step, NLL)],
     "best_step" (None without validation)}.
 
     Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
@@ -260,6 +305,11 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
                                     or validation.shape[1] != windows.shape[1]):
         fail("validation", f"token ids [M >= 1, {windows.shape[1]}] with validate_every > 0",
              None if validation is None else tuple(validation.shape))
+    if (teacher is None) != (settings.distill_weight == 0):
+        fail("teacher", "a model exactly when distill_weight > 0",
+             f"{'none' if teacher is None else 'a model'} with distill_weight {settings.distill_weight}")
+    if teacher is not None and teacher.config.vocab_size != model.config.vocab_size:
+        fail("teacher", f"a model of the vocabulary size {model.config.vocab_size}", teacher.config.vocab_size)
     runtime = distributed.runtime(settings.batch_size)
     # Placing first: FSDP2 replaces the parameters by sharded ones, and gathered ones that an evaluation left in
     # their place would take requires_grad with them when resharded.
@@ -270,6 +320,11 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     runtime.replicate_(params.values())
     every_layer = list(sfa_layers(model))
     layers = every_layer if settings.matching_weight > 0 else []
+    device = next(model.parameters()).device
+    if teacher is not None:
+        teacher = teacher.to(device).eval().requires_grad_(False)
+    objective = Objective(layers, settings.matching_weight, teacher, settings.distill_weight,
+                          MIXED_PRECISION[settings.mixed_precision])
     optimizer = torch.optim.AdamW(params.values(), lr=settings.lr, weight_decay=0.0)
     out_dir = Path(out_dir)
     save = partial(_save_weights, model, list(params), runtime=runtime)
@@ -279,8 +334,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
         keep_best=lambda step: save(out_dir / BEST_WEIGHTS.format(step)),
         checkpointed=partial(_drop_superseded_bests, out_dir, runtime=runtime))
     job = loop.Job("finetune",
-                   step=partial(_train_step, model, list(params.values()), optimizer, layers,
-                                settings.matching_weight, runtime, MIXED_PRECISION[settings.mixed_precision]),
+                   step=partial(_train_step, model, list(params.values()), optimizer, objective, runtime),
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
                    restore=partial(_restore, model, optimizer, params, out_dir if validating else None),
                    begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),
@@ -290,7 +344,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
         layer.matching = True
     try:
         history, validations = loop.run(job, windows, out_dir, settings, optimizer, runtime,
-                                        device=next(model.parameters()).device, resume=resume, progress=progress)
+                                        device=device, resume=resume, progress=progress)
     finally:
         for layer in every_layer:
             layer.matching = False

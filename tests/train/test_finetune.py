@@ -34,7 +34,7 @@ def _sfa_history(tmp_path, weight: float):
 
 def test_sfa_conversion_lowers_the_loss_and_the_matching_weight_pulls_towards_dense(tmp_path):
     free, matched = _sfa_history(tmp_path, 0.0), _sfa_history(tmp_path, 50.0)
-    assert [m for _, _, m in free] == [None] * 12 and all(m is not None for _, _, m in matched)
+    assert [h[2] for h in free] == [None] * 12 and all(h[2] is not None for h in matched)
     assert free[-1][1] < free[0][1] and matched[-1][1] < matched[0][1]
     assert matched[-1][2] < matched[0][2]  # the term it optimises falls
 
@@ -42,7 +42,7 @@ def test_sfa_conversion_lowers_the_loss_and_the_matching_weight_pulls_towards_de
 def test_dense_baseline_has_no_matching_term(tmp_path):
     result = finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(steps=3, warmup=1),
                       progress=False)
-    assert [matching for _, _, matching in result["history"]] == [None] * 3
+    assert [h[2:] for h in result["history"]] == [(None, None)] * 3
 
 
 def test_resume_equals_an_uninterrupted_run_and_weights_reload(tmp_path):
@@ -117,8 +117,9 @@ def test_activation_checkpointing_trains_the_same_weights_and_writes_the_same_na
     settings = FinetuneSettings(steps=3, lr=3e-3, warmup=1, batch_size=2, checkpoint_every=2)
     a = finetune(plain, _windows(), tmp_path / "plain", settings, progress=False)
     b = finetune(wrapped, _windows(), tmp_path / "wrapped", settings, progress=False)
-    flat = [[value for row in run["history"] for value in row[1:]] for run in (a, b)]
+    flat = [[value for row in run["history"] for value in row[1:] if value is not None] for run in (a, b)]
     assert flat[1] == pytest.approx(flat[0], abs=1e-6, rel=0)
+    assert [[v is None for v in row] for row in a["history"]] == [[v is None for v in row] for row in b["history"]]
     ta, tb = load_file(a["weights"]), load_file(b["weights"])
     assert list(ta) == list(tb)
     for name in ta:
@@ -155,11 +156,12 @@ def test_micro_batches_give_the_gradients_of_the_whole_batch():
         layers = list(sfa_layers(model))
         for layer in layers:
             layer.matching = True
-        values = finetune_module._train_step(model, params, KeepGrads(), layers, 1.0, Runtime(), None,
-                                             _windows()[:4].split(4 // parts))
+        values = finetune_module._train_step(model, params, KeepGrads(), finetune_module.Objective(layers, 1.0),
+                                             Runtime(), _windows()[:4].split(4 // parts))
         results.append((values, [p.grad.clone() for p in params]))
     (whole_values, whole_grads), (micro_values, micro_grads) = results
-    assert micro_values == pytest.approx(whole_values, rel=1e-6)
+    assert micro_values[2] is None and whole_values[2] is None  # no teacher
+    assert micro_values[:2] == pytest.approx(whole_values[:2], rel=1e-6)
     for whole, micro in zip(whole_grads, micro_grads):
         torch.testing.assert_close(micro, whole, rtol=1e-5, atol=1e-7)
 
@@ -185,8 +187,9 @@ def test_bf16_mixed_precision_runs_the_forwards_in_bfloat16_and_keeps_float32_we
         hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(
             lambda module, inputs, output: dtypes.append(output.dtype))
         optimizer = torch.optim.SGD(params.values(), lr=0.0)
-        (loss, _) = finetune_module._train_step(model, list(params.values()), optimizer, [], 0.0, Runtime(),
-                                                autocast_dtype, _windows()[:2].split(2))
+        objective = finetune_module.Objective([], autocast_dtype=autocast_dtype)
+        loss, _, _ = finetune_module._train_step(model, list(params.values()), optimizer, objective, Runtime(),
+                                                 _windows()[:2].split(2))
         hook.remove()
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params.values())
         losses.append(float(loss))
@@ -200,6 +203,48 @@ def test_bf16_mixed_precision_runs_the_forwards_in_bfloat16_and_keeps_float32_we
     assert result["history"][-1][1] < result["history"][0][1]
     with pytest.raises(ValueError, match="mixed_precision: expected one of \\['bf16', 'no'\\], got 'fp16'"):
         finetune(model_of(), _windows(), tmp_path / "bad", FinetuneSettings(mixed_precision="fp16"))
+
+
+def test_distillation_loss_is_the_kl_divergence_from_the_teacher_per_token():
+    from sieve_attn.train.finetune import distillation_loss
+
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = (torch.randn(2, 3, 7, generator=generator, dtype=torch.float64) for _ in range(2))
+    p, q = teacher.softmax(-1), student.softmax(-1)
+    want = (p * (p.log() - q.log())).sum(-1).mean()
+    torch.testing.assert_close(distillation_loss(student, teacher).double(), want, rtol=1e-5, atol=1e-7)
+    assert distillation_loss(teacher, teacher) == pytest.approx(0.0, abs=1e-6)
+    assert distillation_loss(student.bfloat16(), teacher.bfloat16()).dtype == torch.float32
+
+
+def test_distillation_pulls_the_student_to_a_frozen_teacher(tmp_path):
+    """A dense model distilling from its own copy starts with a zero term; an SFA student's term falls while the
+    teacher stays as it was; and the run's history records the term."""
+    settings = FinetuneSettings(steps=12, lr=1e-2, warmup=1, batch_size=2, matching_weight=0.0, distill_weight=20.0)
+    copy = tiny_model("llama")
+    history = finetune(tiny_model("llama"), _windows(), tmp_path / "self", settings, teacher=copy,
+                       progress=False)["history"]
+    assert history[0][3] == pytest.approx(0.0, abs=1e-6) and history[0][2] is None
+
+    teacher = tiny_model("llama", seed=3)
+    before = {name: p.clone() for name, p in teacher.named_parameters()}
+    student = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    history = finetune(student, _windows(), tmp_path / "sfa", settings, teacher=teacher, progress=False)["history"]
+    assert history[-1][3] < 0.5 * history[0][3]
+    assert all(torch.equal(p, before[name]) for name, p in teacher.named_parameters())
+
+
+def test_distillation_needs_a_teacher_of_the_same_vocabulary(tmp_path):
+    with pytest.raises(ValueError, match="teacher: expected a model exactly when distill_weight > 0, got none"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(distill_weight=1.0))
+    with pytest.raises(ValueError, match="teacher: expected a model exactly when distill_weight > 0, got a model"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(), teacher=tiny_model("llama"))
+    with pytest.raises(ValueError, match="distill_weight: expected a number >= 0, got nan"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(distill_weight=float("nan")))
+    other = tiny_model("llama")
+    other.resize_token_embeddings(other.config.vocab_size + 8)
+    with pytest.raises(ValueError, match="teacher: expected a model of the vocabulary size"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(distill_weight=1.0), teacher=other)
 
 
 def _scripted_validation(monkeypatch, losses, weights):
