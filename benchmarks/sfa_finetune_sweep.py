@@ -7,7 +7,9 @@ and one interrupted after a checkpoint continues from it (--resume), so an inter
 --gpus 0,1 the runs are spread over the GPUs, one at a time per GPU. Writes sweep.json (one row per configuration:
 PPL before and after, seconds, and the kept step of an early-stopped run) and sweep.png (PPL after against
 lambda). Early stopping (every run keeps its best weights on held-back training files) goes in the common
-arguments: ``-- ... --validate-every 50 --validation-windows 16``.
+arguments: ``-- ... --validate-every 50 --validation-windows 16``. Distillation from the dense fine-tune: run the
+dense configuration first, then the others with ``-- ... --teacher OUT/dense/model.safetensors`` (the rows and the
+plot mark distilled runs; `results/sfa_finetune_h200/distill/call_2.sh` does both).
 
     python benchmarks/sfa_finetune_sweep.py --out runs/sfa_sweep --gpus 0 -- --context 1024 --steps 300
 """
@@ -81,7 +83,7 @@ def collect(names: list[str], out: Path) -> list[dict]:
                      "matching_weight": result["settings"]["matching_weight"] if result["method"] == "sfa" else None,
                      "ppl_before": result["ppl_before"], "ppl_after": result["ppl_after"],
                      "tokens": result["tokens"], "seconds": result["seconds"], "settings": result["settings"],
-                     "best_step": result.get("best_step")})
+                     "best_step": result.get("best_step"), "teacher": result.get("teacher")})
     dense = next((r["ppl_after"] for r in rows if r["method"] == "dense"), None)
     for row in rows:
         row["vs_dense_finetune"] = None if dense is None else row["ppl_after"] / dense
@@ -99,12 +101,13 @@ def plot(rows: list[dict], path: Path) -> None:
     # lambda = 0 sits at the left edge of a log axis: plotted at a tenth of the smallest positive weight
     smallest = min((r["matching_weight"] for r in sfa if r["matching_weight"] > 0), default=1.0)
     def curve(r):
-        return r["topk"], r["feature_map"], r["settings"].get("topk_warmup", 0)
+        return r["topk"], r["feature_map"], r["settings"].get("topk_warmup", 0), r.get("teacher") is not None
 
-    for topk, basis, warm in sorted({curve(r) for r in sfa}):
+    for topk, basis, warm, distilled in sorted({curve(r) for r in sfa}):
         points = sorted((r["matching_weight"] or smallest / 10, r["ppl_after"]) for r in sfa
-                        if curve(r) == (topk, basis, warm))
-        label = f"SFA k={topk}" + (", PCA map" if basis == "pca" else "") + (f", top-k warm-up {warm}" if warm else "")
+                        if curve(r) == (topk, basis, warm, distilled))
+        label = (f"SFA k={topk}" + (", PCA map" if basis == "pca" else "") + (f", top-k warm-up {warm}" if warm else "")
+                 + (", distilled" if distilled else ""))
         ax.plot([w for w, _ in points], [p for _, p in points], ("o-" if not warm else "*-") if basis == "pca"
                 else ("o--" if not warm else "*"), label=label)
     for row in rows:
@@ -138,7 +141,7 @@ def main() -> int:
     if rows:
         plot(rows, args.out / "sweep.png")
     for row in rows:
-        print(f"{row['name']:>18}  PPL {row['ppl_before']:9.3f} -> {row['ppl_after']:8.3f}  "
+        print(f"{row['name'] + (' (distilled)' if row['teacher'] else ''):>30}  PPL {row['ppl_before']:9.3f} -> {row['ppl_after']:8.3f}  "
               f"x dense fine-tune {row['vs_dense_finetune'] or float('nan'):.3f}  {row['seconds']} s"
               + ("" if row["best_step"] is None else f"  (best step {row['best_step']})"))
     return 0
