@@ -4,7 +4,8 @@ the dense baseline and SFA, in float32 (TF32 matmuls off and on) and with bf16 a
 Each configuration runs ``finetune`` itself for --steps steps (batch and context as given) and reports the median of
 its step times after the first --warm-steps (the loop records each step's forwards, backwards and update in the
 checkpoint). Writes one JSON object to --out: {"environment", "batch_size", "context", "rows": [{"method",
-"precision", "seconds_per_step", "tokens_per_second"}]}. Random weights give the same kernels and shapes as the real
+"precision", "tf32_matmul", "seconds_per_step", "tokens_per_second"}]} (the environment's TF32 flag is the one before
+the runs). Random weights give the same kernels and shapes as the real
 model; only SFA's data-dependent work (which coordinates the top-k keeps) differs.
 
     python benchmarks/finetune_step_time.py --out step_time.json --device cuda
@@ -54,7 +55,7 @@ def time_steps(method: str, precision: tuple, args) -> dict:
         finetune(model, windows, out, settings, progress=False)
         seconds = load_checkpoint(Path(out) / CHECKPOINT)["step_seconds"][args.warm_steps:]
     median = statistics.median(seconds)
-    row = {"method": method, "precision": label, "seconds_per_step": median,
+    row = {"method": method, "precision": label, "tf32_matmul": tf32, "seconds_per_step": median,
            "tokens_per_second": args.batch_size * args.context / median, "steps_timed": len(seconds)}
     print(json.dumps(row), flush=True)
     return row
@@ -72,8 +73,9 @@ def main() -> int:
     args = parser.parse_args()
     if not 0 <= args.warm_steps < args.steps:
         parser.error(f"--warm-steps: expected 0 <= it < --steps ({args.steps}), got {args.warm_steps}")
+    setting = environment()  # before the rows switch TF32 on and off (each row records its own)
     rows = [time_steps(method, precision, args) for method in ("dense", "sfa") for precision in PRECISIONS]
-    args.out.write_text(json.dumps({"environment": environment(), "batch_size": args.batch_size,
+    args.out.write_text(json.dumps({"environment": setting, "batch_size": args.batch_size,
                                     "context": args.context, "topk": args.topk, "rows": rows}, indent=1))
     return 0
 

@@ -3,6 +3,7 @@ them, run the demo, benchmark."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def _train_args(parser: argparse.ArgumentParser, steps: int, lr: float = 1e-2) -
     group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     group.add_argument("--train-text", nargs="+", default=None, metavar="PATH",
                        help="files or folders to train on, in this order; the word stdlib stands for the standard "
-                            "library's training split (default: stdlib)")
+                            "library's training split (a folder of that name: ./stdlib) (default: stdlib)")
 
 
 def _eval_args(parser: argparse.ArgumentParser, windows: int) -> None:
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="--method sfa composes SFA (q and k keep their --topk largest-|x| coordinates, after RoPE) and "
                     "fine-tunes every weight with the LM loss plus --matching-weight times the output-matching term "
                     "(the mean squared difference between each layer's SFA output and its stop-gradient dense "
-                    "output); --method dense fine-tunes the plain model on the same data, the baseline to compare "
+                    "output), and with --teacher --distill-weight times the KL divergence from a frozen teacher's "
+                    "next-token distributions; --method dense fine-tunes the plain model on the same data, the baseline to compare "
                     "with. Held-out perplexity (causal) is measured before and after. Writes OUT/model.safetensors "
                     "(the model's own weights), OUT/adapter (the SFA config and feature maps, for --method sfa) and "
                     "OUT/result.json; checkpoints atomically (--resume continues). With --validate-every, early "
@@ -149,10 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--teacher", type=Path, default=None, metavar="WEIGHTS",
                       help="distill from a teacher: the model.safetensors of a fine-tune of --model (e.g. the dense "
                            "baseline's), loaded into a second, frozen copy of --model; the loss gains "
-                           "--distill-weight times KL(teacher || model) of the next-token distributions (default: "
-                           "no teacher)")
-    tune.add_argument("--distill-weight", type=float, default=1.0,
-                      help="with --teacher: weight of the distillation term (1.0)")
+                           "--distill-weight times KL(teacher || model) of the next-token distributions; under a "
+                           "launcher every process holds a whole, unsharded copy of the teacher (default: no "
+                           "teacher)")
+    tune.add_argument("--distill-weight", type=float, default=None,
+                      help="with --teacher: weight of the distillation term, > 0 (1.0)")
     tune.add_argument("--calibration-windows", type=int, default=16,
                       help="SFA with --feature-map pca: training windows the principal axes are computed from (16)")
     _train_args(tune, steps=100, lr=5e-5)
@@ -230,7 +233,7 @@ def _files(text, split: int) -> list:
     stands for the standard library's split: 0 training, 1 held out)."""
     from .data.text import stdlib_split, text_files
 
-    paths = [text] if text is None or isinstance(text, str) else text
+    paths = [text] if text is None or isinstance(text, (str, os.PathLike)) else text
     return [f for path in paths for f in (stdlib_split()[split] if path in (None, "stdlib") else text_files(path))]
 
 
@@ -338,6 +341,21 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _distill_weight(args) -> float:
+    """The distillation weight the options ask for (0 without --teacher); SystemExit for a combination that cannot
+    run, before any model is loaded."""
+    if args.teacher is None:
+        if args.distill_weight is not None:
+            raise SystemExit(f"--distill-weight: expected only with --teacher, got {args.distill_weight:g} without")
+        return 0.0
+    if not args.teacher.is_file():
+        raise SystemExit(f"--teacher: expected an existing model.safetensors file, got {str(args.teacher)!r}")
+    weight = 1.0 if args.distill_weight is None else args.distill_weight
+    if not weight > 0 or weight == float("inf"):
+        raise SystemExit(f"--distill-weight: expected a finite number > 0 with --teacher, got {weight:g}")
+    return weight
+
+
 def cmd_finetune(args) -> int:
     from . import SFAConfig, compose, save_adapter
     from .data.text import hold_back, token_windows
@@ -351,6 +369,7 @@ def cmd_finetune(args) -> int:
     started = time.time()
     if args.calibration_windows < 1:
         raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
+    distill_weight = _distill_weight(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
@@ -363,7 +382,7 @@ def cmd_finetune(args) -> int:
     teacher = None
     if args.teacher is not None:
         teacher, _ = load_model(args.model)  # on the CPU; finetune moves it to the model's device
-        load_weights(teacher, args.teacher)
+        load_weights(teacher, args.teacher, name="--teacher")
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     train_files = _files(args.train_text, 0)
     validation = None
@@ -379,9 +398,10 @@ def cmd_finetune(args) -> int:
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
                                 micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
                                 validate_every=args.validate_every, mixed_precision=args.mixed_precision,
-                                distill_weight=0.0 if teacher is None else args.distill_weight)
+                                distill_weight=distill_weight)
     result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
                       resume=args.resume)
+    del teacher  # its device memory, before the final scores
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:
         if args.method == "sfa":

@@ -104,5 +104,6 @@ def test_train_text_takes_several_paths_in_order_and_stdlib_for_the_training_spl
     assert _files(args.train_text, 0) == [*train, tmp_path / "b.py", tmp_path / "a.txt", tmp_path / "b.py"]
     assert _files(None, 0) == train and _files(None, 1) == held and _files(str(tmp_path / "a.txt"), 1) == [
         tmp_path / "a.txt"]
+    assert _files(tmp_path / "a.txt", 0) == [tmp_path / "a.txt"]  # a Path, as a caller of the function may pass
     with pytest.raises(ValueError, match="text: expected an existing file or folder"):
         _files(["stdlib", str(tmp_path / "missing")], 0)

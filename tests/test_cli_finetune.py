@@ -64,9 +64,22 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
     record = json.loads((tmp_path / "sfa" / "result.json").read_text())
     assert record["teacher"] == str(teacher) and record["settings"]["distill_weight"] == 2.0
     assert all(row[3] > 0 for row in record["history"])  # the KL term of every step
-    with pytest.raises(ValueError, match="weights: expected the"):
+    with pytest.raises(ValueError, match="--teacher: expected the"):
         main(["finetune", *common, "--teacher", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),
               "--out", str(tmp_path / "bad")])
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--distill-weight", "2"], "--distill-weight: expected only with --teacher, got 2 without"),
+    (["--teacher", "missing.safetensors"], "--teacher: expected an existing model.safetensors file, got "
+                                           "'missing.safetensors'"),
+    (["--teacher", __file__, "--distill-weight", "0"], "--distill-weight: expected a finite number > 0 with "
+                                                       "--teacher, got 0"),
+    (["--teacher", __file__, "--distill-weight", "nan"], "--distill-weight: expected a finite number > 0"),
+])
+def test_finetune_refuses_distillation_options_that_cannot_run(tmp_path, options, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["finetune", "--context", "32", "--threads", "1", "--steps", "1", *options, "--out", str(tmp_path)])
 
 
 def test_finetune_refuses_no_calibration_windows(tmp_path):

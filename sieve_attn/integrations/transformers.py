@@ -35,7 +35,8 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
 
     ``attention_mask`` is transformers' boolean SDPA mask (True = attend; it already holds causality, padding and
     the layer's own sliding window) or None for plain causal attention. With :class:`sieve_attn.SFACache`, ``key``
-    is a :class:`~sieve_attn.nn.sfa_layer.CachedKeys` that the layer's SFALayer reads.
+    is a :class:`~sieve_attn.nn.sfa_layer.CachedKeys` that the layer's SFALayer reads. Under ``torch.autocast``
+    q, k and v are cast to the autocast dtype first, and the output comes in it.
     """
     focus, sfa = getattr(module, LAYER_ATTR, None), getattr(module, SFA_ATTR, None)
     if focus is None and sfa is None:
@@ -47,6 +48,12 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         fail("module", "a causal (decoder) attention module", type(module).__name__)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0  # additive float mask: 0 where attended
+    if torch.is_autocast_enabled(query.device.type):
+        # As SDPA under autocast does: attention in the autocast dtype. transformers' RoPE hands back q and k in
+        # float32 there (its cos and sin are float32) beside the projection's bfloat16 v, which our ops refuse.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, value = query.to(dtype), value.to(dtype)
+        key = key.to(dtype) if isinstance(key, torch.Tensor) else key
     kwargs = dict(attn_mask=attention_mask, scale=scaling, softcap=softcap)
     out = sfa.attend(query, key, value, focus=focus, **kwargs) if sfa else focus.attend(query, key, value, **kwargs)
     return out.transpose(1, 2).contiguous(), None

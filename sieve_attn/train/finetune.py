@@ -3,8 +3,10 @@ fine-tune on the same data as its baseline; optionally with early stopping on va
 kept in ``best-STEP.safetensors``, the run ending with them).
 
 Loss = LM loss + ``matching_weight`` * the mean over SFA layers of mean((O_sfa - stopgrad(O_dense))^2), where each
-layer's dense output is computed from the same q, k, v (:class:`~sieve_attn.nn.sfa_layer.SFALayer`). The paper does
-not report its weight (spec/sfa.md section 1), hence the sweep in docs/results.md.
+layer's dense output is computed from the same q, k, v (:class:`~sieve_attn.nn.sfa_layer.SFALayer`), + with a
+teacher ``distill_weight`` * the per-token KL(teacher || model) (:func:`distillation_loss`; not in the paper:
+docs/decisions.md, decision 10). The paper does not report its matching weight (spec/sfa.md section 1), hence the
+sweep in docs/results.md.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ class FinetuneSettings(loop.TrainSettings):
     falls from the head dim (dense) to its configured value (:func:`topk_at`); 0 starts at the configured value.
     ``mixed_precision``: "no" (every training forward in the weights' dtype) or "bf16" (the training forwards under
     ``torch.autocast`` to bfloat16: matrix products and attention in bfloat16, the weights, their gradients and the
-    optimizer state stay in their dtype); validation and evaluation always run in the weights' dtype.
+    optimizer state stay in their dtype; a teacher's forwards too); validation and evaluation always run in the
+    weights' dtype.
     ``distill_weight``: the weight of the distillation term (:func:`distillation_loss`) against the ``teacher``
     that :func:`finetune` then needs; 0: none."""
 
@@ -131,7 +134,7 @@ def _train_step(model, params, optimizer, objective: Objective, runtime,
     loss, matching term or None, distillation term or None) of the global batch."""
     optimizer.zero_grad(set_to_none=True)
     autocast = partial(torch.autocast, dtype=objective.autocast_dtype, enabled=objective.autocast_dtype is not None)
-    lm_total, matching_total, distill_total = 0.0, None, None
+    lm_total = matching_total = distill_total = None
     for batch in micro_batches:
         with autocast(batch.device.type):
             out = model(batch, labels=batch, use_cache=False)
@@ -150,10 +153,18 @@ def _train_step(model, params, optimizer, objective: Objective, runtime,
                 loss = loss + objective.distill_weight * distill
         loss.backward()
         _clear(objective.layers)  # activation checkpointing runs the layers again in backward: terms again
-        lm_total += lm.detach()
+        lm_total = _add(lm_total, lm)
     runtime.average_gradients(params)
     optimizer.step()
     return tuple(None if total is None else runtime.mean(total) for total in (lm_total, matching_total, distill_total))
+
+
+HISTORY_VALUES = 3  # per step: LM loss, matching term, distillation term
+
+
+def _padded(history: list) -> list:
+    """History rows with None for the values a checkpoint written before the distillation term lacks."""
+    return [tuple(row) + (None,) * (1 + HISTORY_VALUES - len(row)) for row in history]
 
 
 def _gather_options():
@@ -356,13 +367,13 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     if best is not None:
         _load_full_weights(model, params, load_file(str(out_dir / BEST_WEIGHTS.format(best[0]))), "best weights")
     _save_weights(model, list(own_weights(params)), out_dir / WEIGHTS, runtime)
-    return {"steps": settings.steps, "history": history, "weights": str(out_dir / WEIGHTS),
+    return {"steps": settings.steps, "history": _padded(history), "weights": str(out_dir / WEIGHTS),
             "validations": validations, "best_step": None if best is None else best[0]}
 
 
-def load_weights(model, path) -> None:
+def load_weights(model, path, name: str = "weights") -> None:
     """Loads fine-tuned weights written by :func:`finetune` (``model.safetensors``) into ``model``; refuses a file
-    whose tensors do not match the model's own weights in name and shape."""
+    whose tensors do not match the model's own weights in name and shape (ValueError naming ``name``)."""
     tensors = load_file(str(path))
-    check_tensors_fit("weights", tensors, own_weights(trained_parameters(model)), "weights of this model")
+    check_tensors_fit(name, tensors, own_weights(trained_parameters(model)), "weights of this model")
     model.load_state_dict(tensors, strict=False)

@@ -442,3 +442,18 @@ def test_triton_backend_generation_equals_reference_and_recomputation(arch):
     assert torch.equal(fast.sequences, reference.sequences)
     sa.reconfigure(model, backend="triton")
     assert torch.equal(fast.sequences, _greedy_recompute(model, prompt, new))
+
+
+@pytest.mark.parametrize("config", [sa.FocusConfig(**SPARSE), sa.SFAConfig(topk=4)], ids=["focus", "sfa"])
+def test_a_composed_model_runs_under_bf16_autocast_close_to_float32(config):
+    """Under autocast transformers' RoPE gives float32 q and k beside a bfloat16 v; the attention function runs all
+    three in the autocast dtype, as SDPA does, and the logits stay close to float32's: on average within 10% of
+    their mean magnitude (bf16 rounding; for SFA it also flips a few top-k selections, whose logits move more)."""
+    model = sa.compose(tiny_model("llama"), config)
+    ids = random_ids()
+    with torch.no_grad():
+        want = model(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(ids).logits
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().mean() < 0.1 * want.abs().mean()

@@ -133,7 +133,7 @@ def test_activation_checkpointing_trains_the_same_weights_and_writes_the_same_na
 
 
 def test_micro_batches_give_the_gradients_of_the_whole_batch():
-    """One SFA fine-tuning step (matching term on) over 4 windows as 2 micro-batches of 2: the same LM loss,
+    """One SFA fine-tuning step (matching and distillation terms on) over 4 windows as 2 micro-batches of 2: the same LM loss,
     matching term and weight gradients (not a multiple of them) as over the whole batch, to float rounding."""
     from sieve_attn.integrations.transformers import sfa_layers
     from sieve_attn.train import finetune as finetune_module
@@ -146,6 +146,7 @@ def test_micro_batches_give_the_gradients_of_the_whole_batch():
         def step(self):
             pass
 
+    teacher = tiny_model("llama", seed=3).requires_grad_(False)
     results = []
     for parts in (1, 2):
         model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
@@ -156,27 +157,28 @@ def test_micro_batches_give_the_gradients_of_the_whole_batch():
         layers = list(sfa_layers(model))
         for layer in layers:
             layer.matching = True
-        values = finetune_module._train_step(model, params, KeepGrads(), finetune_module.Objective(layers, 1.0),
-                                             Runtime(), _windows()[:4].split(4 // parts))
+        objective = finetune_module.Objective(layers, 1.0, teacher, 0.5)
+        values = finetune_module._train_step(model, params, KeepGrads(), objective, Runtime(),
+                                             _windows()[:4].split(4 // parts))
         results.append((values, [p.grad.clone() for p in params]))
     (whole_values, whole_grads), (micro_values, micro_grads) = results
-    assert micro_values[2] is None and whole_values[2] is None  # no teacher
-    assert micro_values[:2] == pytest.approx(whole_values[:2], rel=1e-6)
+    assert micro_values == pytest.approx(whole_values, rel=1e-6)
     for whole, micro in zip(whole_grads, micro_grads):
         torch.testing.assert_close(micro, whole, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("method", ["sfa", "dense"])
+@pytest.mark.parametrize("method", ["sfa", "sfa-mapped", "dense"])
 def test_bf16_mixed_precision_runs_the_forwards_in_bfloat16_and_keeps_float32_weights(tmp_path, method):
     """mixed_precision="bf16": the attention projections' outputs are bfloat16 during training (autocast is on),
     the loss is close to the float32 one but not equal to it, and the weights (SFA feature maps too), gradients and
-    the returned model stay float32; validation runs in float32."""
+    the returned model stay float32; validation runs in float32. (transformers' RoPE returns float32 q and k under
+    autocast beside a bfloat16 v: SFA without a feature map must take them.)"""
     from sieve_attn.train import finetune as finetune_module
     from sieve_attn.train.distributed import Runtime
 
     def model_of():
         model = tiny_model("llama")
-        return sa.compose(model, sa.SFAConfig(topk=4, feature_map=True)) if method == "sfa" else model
+        return model if method == "dense" else sa.compose(model, sa.SFAConfig(topk=4, feature_map="mapped" in method))
 
     losses, dtypes = [], []
     for autocast_dtype in (None, torch.bfloat16):
@@ -197,8 +199,13 @@ def test_bf16_mixed_precision_runs_the_forwards_in_bfloat16_and_keeps_float32_we
     assert losses[0] != losses[1] and losses[1] == pytest.approx(losses[0], rel=2e-2)
 
     model = model_of()
+    seen = []  # (dtype of the projection's output, whether autograd records): training steps, then validation
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda module, inputs, output: seen.append((output.dtype, torch.is_grad_enabled())))
     settings = FinetuneSettings(steps=3, lr=3e-3, warmup=1, batch_size=2, mixed_precision="bf16", validate_every=3)
     result = finetune(model, _windows(), tmp_path, settings, validation=_windows()[:2], progress=False)
+    assert seen[:3] == [(torch.bfloat16, True)] * 3  # a forward per step
+    assert len(seen) > 3 and set(seen[3:]) == {(torch.float32, False)}  # the validation's forwards
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert result["history"][-1][1] < result["history"][0][1]
     with pytest.raises(ValueError, match="mixed_precision: expected one of \\['bf16', 'no'\\], got 'fp16'"):
@@ -232,6 +239,13 @@ def test_distillation_pulls_the_student_to_a_frozen_teacher(tmp_path):
     history = finetune(student, _windows(), tmp_path / "sfa", settings, teacher=teacher, progress=False)["history"]
     assert history[-1][3] < 0.5 * history[0][3]
     assert all(torch.equal(p, before[name]) for name, p in teacher.named_parameters())
+    assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())  # no graph through it
+
+
+def test_history_rows_of_an_older_checkpoint_gain_the_distillation_value():
+    from sieve_attn.train.finetune import _padded
+
+    assert _padded([(1, 2.5, None), (2, 2.0, 0.1, None)]) == [(1, 2.5, None, None), (2, 2.0, 0.1, None)]
 
 
 def test_distillation_needs_a_teacher_of_the_same_vocabulary(tmp_path):
