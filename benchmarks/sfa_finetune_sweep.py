@@ -141,7 +141,8 @@ def main() -> int:
     if rows:
         plot(rows, args.out / "sweep.png")
     for row in rows:
-        print(f"{row['name'] + (' (distilled)' if row['teacher'] else ''):>30}  PPL {row['ppl_before']:9.3f} -> {row['ppl_after']:8.3f}  "
+        name = row["name"] + (" (distilled)" if row["teacher"] else "")
+        print(f"{name:>30}  PPL {row['ppl_before']:9.3f} -> {row['ppl_after']:8.3f}  "
               f"x dense fine-tune {row['vs_dense_finetune'] or float('nan'):.3f}  {row['seconds']} s"
               + ("" if row["best_step"] is None else f"  (best step {row['best_step']})"))
     return 0

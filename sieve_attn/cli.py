@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "fine-tunes every weight with the LM loss plus --matching-weight times the output-matching term "
                     "(the mean squared difference between each layer's SFA output and its stop-gradient dense "
                     "output), and with --teacher --distill-weight times the KL divergence from a frozen teacher's "
-                    "next-token distributions; --method dense fine-tunes the plain model on the same data, the baseline to compare "
-                    "with. Held-out perplexity (causal) is measured before and after. Writes OUT/model.safetensors "
+                    "next-token distributions; --method dense fine-tunes the plain model on the same data, the "
+                    "baseline to compare with. Held-out perplexity (causal) is measured before and after. Writes OUT/model.safetensors "
                     "(the model's own weights), OUT/adapter (the SFA config and feature maps, for --method sfa) and "
                     "OUT/result.json; checkpoints atomically (--resume continues). With --validate-every, early "
                     "stopping: the loss on training files held back from training is measured as it trains, and "
@@ -351,7 +351,7 @@ def _distill_weight(args) -> float:
     if not args.teacher.is_file():
         raise SystemExit(f"--teacher: expected an existing model.safetensors file, got {str(args.teacher)!r}")
     weight = 1.0 if args.distill_weight is None else args.distill_weight
-    if not weight > 0 or weight == float("inf"):
+    if not 0 < weight < float("inf"):  # also refuses NaN
         raise SystemExit(f"--distill-weight: expected a finite number > 0 with --teacher, got {weight:g}")
     return weight
 

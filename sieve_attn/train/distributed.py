@@ -15,8 +15,9 @@ in one plain process nothing here runs.
 - The model, sharded with FSDP2 when the launch carries an FSDP configuration (``accelerate launch --use_fsdp
   --fsdp_version 2 ...``): accelerate's FSDP2 routine shards it while the Focus and SFA layers are taken out, so
   routers and SFA feature maps stay plain replicated tensors (treated as above). FSDP2 averages the gradients of
-  the sharded weights itself (a reduce-scatter): they are not averaged again. Retrofit shards a frozen base; fine-tuning trains the sharded
-  weights, and its optimizer, built after sharding, holds only this rank's shards of them.
+  the sharded weights itself (a reduce-scatter): they are not averaged again. Retrofit shards a frozen base;
+  fine-tuning trains the sharded weights, and its optimizer, built after sharding, holds only this rank's shards of
+  them.
 - Files. Checkpoints, adapters and weights are written by rank 0 alone, in the single-process format (sharded
   tensors are gathered first): a checkpoint of W processes resumes in any number of processes.
 - Retrofit's running group biases (each rank's forward updates them from its own share) are averaged after every

@@ -133,8 +133,9 @@ def test_activation_checkpointing_trains_the_same_weights_and_writes_the_same_na
 
 
 def test_micro_batches_give_the_gradients_of_the_whole_batch():
-    """One SFA fine-tuning step (matching and distillation terms on) over 4 windows as 2 micro-batches of 2: the same LM loss,
-    matching term and weight gradients (not a multiple of them) as over the whole batch, to float rounding."""
+    """One SFA fine-tuning step (matching and distillation terms on) over 4 windows as 2 micro-batches of 2: the
+    same LM loss, matching and distillation terms and weight gradients (not a multiple of them) as over the whole
+    batch, to float rounding."""
     from sieve_attn.integrations.transformers import sfa_layers
     from sieve_attn.train import finetune as finetune_module
     from sieve_attn.train.distributed import Runtime
