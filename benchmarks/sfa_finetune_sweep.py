@@ -24,20 +24,24 @@ import sys
 import threading
 from pathlib import Path
 
-def _sfa(topk: int, weight: float, feature_map: str, warmup: int = 0) -> list[str]:
-    return ["--method", "sfa", "--topk", str(topk), "--matching-weight", f"{weight:g}", "--feature-map", feature_map,
+def _sfa(topk: int, weight: float, basis: str, warmup: int = 0) -> list[str]:
+    return ["--method", "sfa", "--topk", str(topk), "--matching-weight", f"{weight:g}",
+            "--feature-map", "pca" if "pca" in basis else "none",
+            "--selection", "importance" if "imp" in basis else "magnitude",
             *(["--topk-warmup", str(warmup)] if warmup else [])]
 
 
 # Names without "pca" keep q and k in their own coordinates (--feature-map none), as every run before the feature
-# maps did; "pca" runs start from the calibrated principal axes (the default of `sieve finetune`).
+# maps did; "pca" runs start from the calibrated principal axes (the default of `sieve finetune`); "imp" runs rank
+# the coordinates by importance (--selection importance), the others by magnitude (the default).
+BASES = ("", "pca-", "pca-imp-")
 CONFIGS = {
     "dense": ["--method", "dense"],
-    **{f"k{k}-{basis}l{weight:g}": _sfa(k, weight, "pca" if basis else "none")
-       for basis in ("", "pca-") for k in (16, 8) for weight in (1, 0, 10, 0.1)},
+    **{f"k{k}-{basis}l{weight:g}": _sfa(k, weight, basis)
+       for basis in BASES for k in (16, 8) for weight in (1, 0, 10, 0.1)},
     # Gradual sparsification: top-k falls from the head dim over the first 100 steps.
-    **{f"k{k}-{basis}l{weight:g}-warm100": _sfa(k, weight, "pca" if basis else "none", 100)
-       for basis in ("", "pca-") for k in (16, 8) for weight in (1, 0, 10, 0.1)},
+    **{f"k{k}-{basis}l{weight:g}-warm100": _sfa(k, weight, basis, 100)
+       for basis in BASES for k in (16, 8) for weight in (1, 0, 10, 0.1)},
 }
 
 
@@ -80,6 +84,7 @@ def collect(names: list[str], out: Path) -> list[dict]:
         result = json.loads(path.read_text())
         rows.append({"name": name, "method": result["method"], "topk": result["topk"],
                      "feature_map": result.get("feature_map") or ("none" if result["method"] == "sfa" else None),
+                     "selection": result.get("selection") or ("magnitude" if result["method"] == "sfa" else None),
                      "matching_weight": result["settings"]["matching_weight"] if result["method"] == "sfa" else None,
                      "ppl_before": result["ppl_before"], "ppl_after": result["ppl_after"],
                      "tokens": result["tokens"], "seconds": result["seconds"], "settings": result["settings"],
@@ -101,13 +106,15 @@ def plot(rows: list[dict], path: Path) -> None:
     # lambda = 0 sits at the left edge of a log axis: plotted at a tenth of the smallest positive weight
     smallest = min((r["matching_weight"] for r in sfa if r["matching_weight"] > 0), default=1.0)
     def curve(r):
-        return r["topk"], r["feature_map"], r["settings"].get("topk_warmup", 0), r.get("teacher") is not None
+        return (r["topk"], r["feature_map"], r["selection"], r["settings"].get("topk_warmup", 0),
+                r.get("teacher") is not None)
 
-    for topk, basis, warm, distilled in sorted({curve(r) for r in sfa}):
+    for topk, basis, selection, warm, distilled in sorted({curve(r) for r in sfa}):
         points = sorted((r["matching_weight"] or smallest / 10, r["ppl_after"]) for r in sfa
-                        if curve(r) == (topk, basis, warm, distilled))
-        label = (f"SFA k={topk}" + (", PCA map" if basis == "pca" else "") + (f", top-k warm-up {warm}" if warm else "")
-                 + (", distilled" if distilled else ""))
+                        if curve(r) == (topk, basis, selection, warm, distilled))
+        label = (f"SFA k={topk}" + (", PCA map" if basis == "pca" else "")
+                 + (", importance" if selection == "importance" else "")
+                 + (f", top-k warm-up {warm}" if warm else "") + (", distilled" if distilled else ""))
         ax.plot([w for w, _ in points], [p for _, p in points], ("o-" if not warm else "*-") if basis == "pca"
                 else ("o--" if not warm else "*"), label=label)
     for row in rows:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .config import SFA_BACKENDS
+from .config import SFA_BACKENDS, SFA_SELECTIONS
 
 DEFAULT_OUT = Path("runs")
 
@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "dense q and k before the top-k (an orthogonal map per KV head, computed from "
                            "--calibration-windows training windows, then trained with the model), so the top-k keeps "
                            "more of each score; none: the top-k of q and k as they are (the paper's GPT-2 form)")
+    tune.add_argument("--selection", choices=SFA_SELECTIONS, default="magnitude",
+                      help="SFA: how each vector's top-k coordinates are chosen, after the map: magnitude (default; "
+                           "the paper: largest |x|) or importance (largest |x| times the root mean square of the "
+                           "other side along that coordinate, the keys' for a query and the queries' for a key, "
+                           "calibrated from --calibration-windows training windows with the maps and kept fixed "
+                           "while training)")
     tune.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
                       help="no (default): train in float32; bf16: the training forwards under autocast to bfloat16 "
                            "(matrix products and attention in bfloat16, weights and optimizer state in float32; "
@@ -157,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--distill-weight", type=float, default=None,
                       help="with --teacher: weight of the distillation term, > 0 (1.0)")
     tune.add_argument("--calibration-windows", type=int, default=16,
-                      help="SFA with --feature-map pca: training windows the principal axes are computed from (16)")
+                      help="SFA with --feature-map pca or --selection importance: training windows the principal "
+                           "axes and the selection weights are computed from (16)")
     _train_args(tune, steps=100, lr=5e-5)
     tune.add_argument("--validate-every", type=int, default=0,
                       help="early stopping: every this many steps (and after the last) measure the loss on "
@@ -375,8 +382,10 @@ def cmd_finetune(args) -> int:
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
     model, tokenizer = distributed.load_for_training(args.model, device=args.device)
     mapped = args.method == "sfa" and args.feature_map == "pca"
+    calibrated = mapped or (args.method == "sfa" and args.selection == "importance")
     if args.method == "sfa":
-        compose(model, SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped))
+        compose(model, SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped,
+                                 selection=args.selection))
     runtime = distributed.runtime(args.batch_size)
     runtime.place(model)  # an FSDP launch shards it here, so that every process can take part in evaluating it
     teacher = None
@@ -390,8 +399,8 @@ def cmd_finetune(args) -> int:
         train_files, validation = hold_back(tokenizer, train_files, args.context, args.validation_windows)
     windows = token_windows(tokenizer, train_files, args.context, args.steps * args.batch_size)
     uncalibrated, calibration = None, windows[:args.calibration_windows]  # the first ones, in file order
-    if mapped:
-        uncalibrated = perplexity(model, held_out, desc="identity map", progress=runtime.is_main)["ppl"]
+    if calibrated:  # first without: identity maps and all-1 weights, the paper's plain top-k
+        uncalibrated = perplexity(model, held_out, desc="uncalibrated", progress=runtime.is_main)["ppl"]
         calibrate_feature_maps(model, calibration, progress=runtime.is_main)
     before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
     settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
@@ -411,8 +420,9 @@ def cmd_finetune(args) -> int:
                   "train_text": args.train_text or ["stdlib"], "training_windows": len(windows),
                   "teacher": None if args.teacher is None else str(args.teacher),
                   "feature_map": args.feature_map if args.method == "sfa" else None,
-                  "calibration_windows": len(calibration) if mapped else None,
-                  "ppl_identity_map": uncalibrated,
+                  "selection": args.selection if args.method == "sfa" else None,
+                  "calibration_windows": len(calibration) if calibrated else None,
+                  "ppl_uncalibrated": uncalibrated,
                   "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
                   "history": result["history"], "validation_windows": 0 if validation is None else len(validation),
                   "validations": result["validations"], "best_step": result["best_step"],

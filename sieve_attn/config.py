@@ -77,6 +77,7 @@ class FocusConfig(_Serialisable):
 
 SFA_DECODE_BACKENDS = ("auto", "reference", "triton")
 SFA_BACKENDS = (*SFA_DECODE_BACKENDS, "sdpa")
+SFA_SELECTIONS = ("magnitude", "importance")
 
 
 def sfa_decode_backend(backend: str) -> str:
@@ -96,18 +97,24 @@ class SFAConfig(_Serialisable):
     models: a basis in which q and k concentrate on fewer coordinates, so the top-k keeps more of each score.
     compose starts it at the identity, :func:`sieve_attn.calibrate_feature_maps` sets it to the principal axes of
     the layer's dense q and k (an orthogonal map, so dense scores are unchanged), and fine-tuning trains it; it
-    lives in the adapter. backend: how the SFA scores are computed (:func:`sieve_attn.sfa_attention`'s
-    ``backend``); decode steps over an :class:`~sieve_attn.SFACache` read its codes with
-    :func:`sieve_attn.sfa_decode`, which takes "auto" for "sdpa" (there are no dense keys to give dense attention);
-    with Focus as well, the Focus pattern's backend computes them on the sparsified q and k.
+    lives in the adapter. selection: how each vector's top-k is chosen, after the map: "magnitude" (the paper:
+    largest |x|) or "importance" (largest |x_u| * w_u; each layer holds weights [Hkv, D] for its queries, the
+    keys' root mean square along each coordinate, and for its keys, the queries' one, so a coordinate ranks by the
+    share of a typical score it carries; all 1 until :func:`sieve_attn.calibrate_feature_maps` sets them from data;
+    kept fixed by fine-tuning, saved in the adapter). backend: how the SFA scores are computed
+    (:func:`sieve_attn.sfa_attention`'s ``backend``); decode steps over an :class:`~sieve_attn.SFACache` read its
+    codes with :func:`sieve_attn.sfa_decode`, which takes "auto" for "sdpa" (there are no dense keys to give dense
+    attention); with Focus as well, the Focus pattern's backend computes them on the sparsified q and k.
     """
 
     topk: int = 16
     backend: str = "auto"
     feature_map: bool = False
+    selection: str = "magnitude"
 
     def __post_init__(self):
         check_int("topk", self.topk, 1)
         if not isinstance(self.feature_map, bool):
             fail("feature_map", "True or False", repr(self.feature_map))
         check_choice("backend", self.backend, SFA_BACKENDS)
+        check_choice("selection", self.selection, SFA_SELECTIONS)

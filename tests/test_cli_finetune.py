@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from sieve_attn.cli import build_parser, main
 
@@ -14,6 +15,7 @@ def test_help_explains_finetune(capsys):
     assert "--matching-weight" in text and "early stopping" in text and "--validation-windows" in text
     assert "--feature-map" in text and "principal axes" in text and "--calibration-windows" in text
     assert "--mixed-precision" in text and "autocast to bfloat16" in text
+    assert "--selection" in text and "importance (largest |x| times the root mean square" in text
     assert "--teacher" in text and "KL(teacher || model)" in text
     # Several processes: the split of each batch, and who evaluates and writes.
     assert "`accelerate launch`" in text and "--batch-size must be a multiple of the number of processes" in text
@@ -21,30 +23,35 @@ def test_help_explains_finetune(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, backend, feature_map", [("sfa", "auto", "pca"), ("sfa", "sdpa", "none"),
-                                                          ("dense", "auto", "pca")])
-def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend, feature_map):
+@pytest.mark.parametrize("method, backend, feature_map, selection", [
+    ("sfa", "auto", "pca", "magnitude"), ("sfa", "sdpa", "none", "importance"), ("dense", "auto", "pca", "magnitude")])
+def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend, feature_map, selection):
     from safetensors.torch import load_file
 
     out = tmp_path / method
     assert main(["finetune", "--method", method, "--topk", "16", "--sfa-backend", backend, "--context", "32",
                  "--threads", "1", "--steps", "1", "--eval-windows", "1", "--feature-map", feature_map,
-                 "--calibration-windows", "1", "--out", str(out)]) == 0
+                 "--selection", selection, "--calibration-windows", "1", "--out", str(out)]) == 0
     record = json.loads((out / "result.json").read_text())
     assert record["method"] == method and record["ppl_before"] > 1 and record["ppl_after"] > 1
     assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
     assert not any(".sieve_sfa." in name for name in load_file(str(out / "model.safetensors")))
     assert (out / "adapter" / "adapter_config.json").is_file() == (method == "sfa")
     mapped = method == "sfa" and feature_map == "pca"
+    calibrated = mapped or selection == "importance"
     assert record["feature_map"] == (feature_map if method == "sfa" else None)
-    assert (record["ppl_identity_map"] is not None) == mapped
-    assert record["calibration_windows"] == (1 if mapped else None)
+    assert record["selection"] == (selection if method == "sfa" else None)
+    assert (record["ppl_uncalibrated"] is not None) == calibrated
+    assert record["calibration_windows"] == (1 if calibrated else None)
     if method == "sfa":
         config = json.loads((out / "adapter" / "adapter_config.json").read_text())
         assert config["sfa"]["backend"] == backend  # the adapter records the backend it was trained with
         assert config["sfa"]["feature_map"] == mapped
-        maps = [name for name in load_file(str(out / "adapter" / "adapter.safetensors")) if "feature_map" in name]
-        assert len(maps) == (30 if mapped else 0)  # one per layer of SmolLM2-135M
+        adapter = load_file(str(out / "adapter" / "adapter.safetensors"))
+        assert len([name for name in adapter if "feature_map" in name]) == (30 if mapped else 0)  # one per layer
+        weights = [adapter[name] for name in adapter if "selection_weights" in name]
+        assert len(weights) == (30 if selection == "importance" else 0)
+        assert all(w.shape == (2, 3, 64) and not torch.equal(w, torch.ones_like(w)) for w in weights)  # calibrated
     # `sieve eval ppl` scores the fine-tuned model later: the same held-out windows give the same perplexity.
     adapter = ["--adapter", str(out / "adapter"), "--modes", "sfa"] if method == "sfa" else ["--modes", "dense"]
     assert main(["eval", "ppl", "--context", "32", "--threads", "1", "--eval-windows", "1", "--weights",

@@ -9,6 +9,7 @@ from torch import nn
 from .._checks import fail
 from ..config import SFAConfig, sfa_decode_backend
 from ..ops.blockwise import blockwise_attention
+from ..ops.masked_sdpa import causal_mask, masked_sdpa
 from ..ops.sfa.attention import sfa_attention
 from ..ops.sfa.cache import SFAKeyCache
 from ..ops.sfa.codes import densify, sparsify
@@ -77,6 +78,14 @@ class SFALayer(nn.Module):
     q and k are mapped as q @ feature_map[g] and k @ feature_map[g] (g the KV head of the query head) before their
     top-k (:meth:`map_queries`, :meth:`map_keys`). Without it the layer has no parameters.
 
+    With ``config.selection == "importance"`` it holds ``selection_weights`` [2, Hkv, D], a float32 buffer (all 1
+    at first, :func:`sieve_attn.calibrate_feature_maps` sets it): [0, g] ranks the coordinates of the queries of KV
+    head g, [1, g] those of its keys (:func:`~sieve_attn.ops.sfa.codes.sparsify` with ``weights``). map_queries and
+    map_keys then return the vectors already reduced to their top-k, which every later plain top-k keeps as they
+    are, so each attention path, cache and kernel computes the weighted codes unchanged. (Its straight-through
+    gradient differs only at a selected coordinate whose value is exactly 0, which a plain top-k may swap for
+    another zero.)
+
     While ``matching`` is on and autograd is recording, each call also computes the layer's dense attention output
     (on the unmapped q and k) without gradient and records mean((O_sfa - O_dense)^2) over batch, heads, tokens and
     features in ``matching_terms``: the paper's output-matching regulariser (Eq. 8), averaged over heads.
@@ -98,22 +107,32 @@ class SFALayer(nn.Module):
         # would be orthogonal only to about 2e-3 and small optimizer steps would round away. map_* cast it at use.
         self.feature_map = nn.Parameter(torch.eye(head_dim).repeat(kv_heads, 1, 1), requires_grad=False) \
             if config.feature_map else None
+        self.register_buffer("selection_weights", torch.ones(2, kv_heads, head_dim)
+                             if config.selection == "importance" else None)
 
     def extra_repr(self) -> str:
-        return f"topk={self.topk}, feature_map={self.feature_map is not None}"
+        return f"topk={self.topk}, feature_map={self.feature_map is not None}, selection={self.config.selection}"
 
     def map_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """k [B, Hkv, T, D] in the layer's feature basis (k itself without a feature map)."""
-        if self.feature_map is None:
+        """k [B, Hkv, T, D] in the layer's feature basis (k itself without a feature map); with importance
+        selection, reduced to its top-k coordinates by the key weights."""
+        if self.feature_map is not None:
+            k = torch.matmul(k, self.feature_map.to(k.dtype))
+        if self.selection_weights is None:
             return k
-        return torch.matmul(k, self.feature_map.to(k.dtype))
+        # The weights stay float32: the ranks are products, which in bfloat16 would tie far more often.
+        return sparsify(k, self.topk, self.selection_weights[1, :, None, :])
 
     def map_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, T, D] in the feature basis of each query head's KV head (q itself without a feature map)."""
-        if self.feature_map is None:
+        """q [B, Hq, T, D] in the feature basis of each query head's KV head (q itself without a feature map);
+        with importance selection, reduced to its top-k coordinates by the query weights of its KV head."""
+        if self.feature_map is not None:
+            grouped = _by_kv_head(q, self.feature_map.shape[0])
+            q = torch.matmul(grouped, self.feature_map.to(q.dtype)[:, None]).flatten(1, 2)
+        if self.selection_weights is None:
             return q
-        grouped = _by_kv_head(q, self.feature_map.shape[0])
-        return torch.matmul(grouped, self.feature_map.to(q.dtype)[:, None]).flatten(1, 2)
+        weights = self.selection_weights[0].repeat_interleave(q.shape[1] // self.selection_weights.shape[1], 0)
+        return sparsify(q, self.topk, weights[:, None, :])
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None, focus=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] with SFA scores; with ``focus`` (the layer's
@@ -163,7 +182,15 @@ class SFALayer(nn.Module):
                 self.moments.add(q, k)
 
     def _dense_target(self, q, k, v, attn_mask, scale, softcap) -> Optional[torch.Tensor]:
+        """The layer's dense causal attention output [B, Hq, Tq, D] (no gradient) while the matching term is
+        recorded, else None. PyTorch's SDPA computes it unless the logits are capped (SDPA has no softcap): a
+        regression target needs no graph, and on a GPU SDPA's fused kernels beat the blockwise reference, which
+        writes every block's float32 scores to memory."""
         if not (self.matching and torch.is_grad_enabled()):
             return None
         with torch.no_grad():
-            return blockwise_attention(q, k, v, scale=scale, causal=True, softcap=softcap, attn_mask=attn_mask)[0]
+            if softcap is not None:
+                return blockwise_attention(q, k, v, scale=scale, causal=True, softcap=softcap,
+                                           attn_mask=attn_mask)[0]
+            allowed = causal_mask(q.shape[2], k.shape[2], q.device)
+            return masked_sdpa(q, k, v, allowed if attn_mask is None else allowed & attn_mask, scale=scale)

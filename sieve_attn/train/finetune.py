@@ -84,6 +84,13 @@ def trained_parameters(model) -> dict[str, torch.nn.Parameter]:
             if f".{LAYER_ATTR}." not in name}
 
 
+def fixed_tensors(model) -> dict[str, torch.Tensor]:
+    """What compose added that fine-tuning keeps as it is but a checkpoint must carry: the SFA layers' selection
+    weights (buffers, set by calibration), named as :func:`trained_parameters` names."""
+    return {name.replace(_CHECKPOINT_WRAPPER, ""): t for name, t in model.named_buffers()
+            if f".{SFA_ATTR}." in name and name.endswith(".selection_weights")}
+
+
 def own_weights(params: dict) -> dict:
     """The entries of ``params`` (named as in the state dict) that are the model's own weights, not what compose
     added: what ``model.safetensors`` holds (the SFA feature maps go with the adapter)."""
@@ -192,16 +199,17 @@ def _weights(model, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def _snapshot(model, optimizer, names: list[str]) -> dict:
-    """The checkpoint's {"weights", "optimizer"} in the single-process format: full tensors, the weights by name,
-    the optimizer state numbered as ``Optimizer.state_dict()`` numbers it. {} except on the main process; every
-    process must call it."""
+    """The checkpoint's {"weights", "optimizer", "fixed"} in the single-process format: full tensors, the weights
+    by name, the optimizer state numbered as ``Optimizer.state_dict()`` numbers it, and :func:`fixed_tensors`. {}
+    except on the main process; every process must call it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     weights = _weights(model, names)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=_gather_options())
     if not weights:
         return {}
-    return {"weights": weights, "optimizer": _renumber(optimizer_state, {name: i for i, name in enumerate(names)})}
+    return {"weights": weights, "optimizer": _renumber(optimizer_state, {name: i for i, name in enumerate(names)}),
+            "fixed": {name: t.detach().cpu().clone() for name, t in fixed_tensors(model).items()}}
 
 
 def _restore(model, optimizer, params: dict, best_dir: Path | None, state: dict) -> None:
@@ -215,6 +223,11 @@ def _restore(model, optimizer, params: dict, best_dir: Path | None, state: dict)
         fail("checkpoint", f"{BEST_WEIGHTS.format(best[0])} beside it (the best weights its validations name; "
                            f"copy it along, or resume with validate_every=0)", f"no such file in {best_dir}")
     _load_full_weights(model, params, state["weights"], "checkpoint")
+    fixed = fixed_tensors(model)
+    saved = state.get("fixed", {})  # a checkpoint older than selection weights has none
+    check_tensors_fit("checkpoint", saved, fixed, "selection weights of this model's SFA layers")
+    for name, tensor in saved.items():
+        fixed[name].copy_(tensor)
     names = dict(enumerate(params))
     set_optimizer_state_dict(model, optimizer, _renumber(state["optimizer"], names),
                              options=StateDictOptions(full_state_dict=True))
@@ -278,11 +291,11 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     AdamW (no weight decay), linear warm-up then cosine decay to a tenth (as retrofit); the model runs in eval mode
     (no dropout). With SFA layers and ``matching_weight`` > 0 the output-matching term is added. Every
     ``checkpoint_every`` steps and at the end ``out_dir/checkpoint.pt`` is written atomically (weights, optimizer,
-    step, history, step times, validations); ``resume=True`` continues from it. ``micro_batch`` splits each
-    process's share of a batch into micro-batches whose gradients add up (under FSDP2 each micro-batch's backward
-    reduce-scatters, which keeps the gradients sharded). ``topk_warmup`` > 0 lowers SFA's top-k step by step from
-    the head dim to its configured value (:func:`topk_at`; gradual sparsification); the layers keep the configured
-    value afterwards.
+    SFA selection weights, step, history, step times, validations); ``resume=True`` continues from it.
+    ``micro_batch`` splits each process's share of a batch into micro-batches whose gradients add up (under FSDP2
+    each micro-batch's backward reduce-scatters, which keeps the gradients sharded). ``topk_warmup`` > 0 lowers
+    SFA's top-k step by step from the head dim to its configured value (:func:`topk_at`; gradual sparsification);
+    the layers keep the configured value afterwards.
     The model's own weights go to ``out_dir/model.safetensors``; SFA feature maps (trained too) are part of what
     compose added, which :func:`sieve_attn.save_adapter` saves (``sieve finetune`` writes ``OUT/adapter``).
 

@@ -6,6 +6,7 @@ What differs between the two (what is trained, one optimizer step, what a checkp
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -113,16 +114,19 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
     ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
     main process: {"step", **``job.snapshot()``, "history", "step_seconds" (this process's wall time of each
     step's forwards, backwards and update, checkpoint writing excluded; None for steps of a checkpoint written
-    without them), "validations", "settings"}. With ``settings.validate_every`` > 0 the job validates after every
-    ``validate_every`` steps and after the last, before that step's checkpoint, and ``job.keep_best`` keeps the
-    model of each new best. ``resume=True`` continues from that file when it exists (every process reads it); the
-    run then equals an uninterrupted one.
+    without them), "validations", "settings", "windows" (:func:`windows_digest`)}. With
+    ``settings.validate_every`` > 0 the job validates after every ``validate_every`` steps and after the last,
+    before that step's checkpoint, and ``job.keep_best`` keeps the model of each new best. ``resume=True``
+    continues from that file when it exists (every process reads it); the run then equals an uninterrupted one. It
+    refuses (ValueError) other windows, or settings changed in more than :data:`RESUMABLE_CHANGES`.
     """
     micro = micro_batch_size(settings, runtime)
     if settings.validate_every and job.validate is None:
         fail("validate_every", f"0 for {job.name} without validation data", settings.validate_every)
     path = Path(out_dir) / CHECKPOINT
-    start, history, step_seconds, validations = _resume(job, path) if resume else (0, [], [], [])
+    trained_on = windows_digest(windows)
+    start, history, step_seconds, validations = (_resume(job, path, settings, trained_on) if resume
+                                                 else (0, [], [], []))
     if not settings.validate_every:
         validations = []  # a run resumed without validation keeps its last weights, whatever came before
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
@@ -150,7 +154,7 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
             state = job.snapshot()
             runtime.write(lambda: save_checkpoint({"step": step + 1, **state, "history": history,
                                                    "step_seconds": step_seconds, "validations": validations,
-                                                   "settings": asdict(settings)}, path))
+                                                   "settings": asdict(settings), "windows": trained_on}, path))
             job.checkpointed(validations)
     return history, validations
 
@@ -170,12 +174,35 @@ def best_validation(validations: list[tuple]) -> tuple | None:
     return kept
 
 
-def _resume(job: Job, path: Path) -> tuple[int, list, list, list]:
+# Settings a resumed run may change: how long it runs and how it checkpoints, validates and splits its batches. Any
+# other change (learning rate, batch, seed, the loss's weights, precision) would make the run neither the one
+# checkpointed nor a fresh one, so resuming refuses it.
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "validate_every", "micro_batch")
+
+
+def windows_digest(windows: torch.Tensor) -> str:
+    """"N x T sha256:HEX" of token windows [N, T]: what a checkpoint records of the text it trains on."""
+    data = windows.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return f"{windows.shape[0]} x {windows.shape[1]} sha256:{hashlib.sha256(data).hexdigest()[:16]}"
+
+
+def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list, list, list]:
     """(first step to train, history, step seconds and validations so far) from the checkpoint at ``path``, its
-    state restored; (0, [], [], []) without one."""
+    state restored; (0, [], [], []) without one. ValueError, before anything is restored, when the windows'
+    :func:`windows_digest` ``trained_on`` is not the checkpoint's, or ``settings`` differs from the checkpoint's in
+    a field outside :data:`RESUMABLE_CHANGES` (what a checkpoint written by an older version does not record is
+    not compared)."""
     state = load_checkpoint(path)
     if state is None:
         return 0, [], [], []
+    if state.get("windows", trained_on) != trained_on:
+        fail("windows", f"the token windows {path} trained on ({state['windows']}: the same text, context and "
+                        f"number of windows)", trained_on)
+    saved = state.get("settings", {})
+    for name, value in asdict(settings).items():
+        if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value:
+            fail(name, f"{saved[name]!r}, the value in {path} (a resumed run may change only "
+                       f"{', '.join(RESUMABLE_CHANGES)}; start a new run in another directory to change it)", value)
     job.restore(state)
     return (state["step"], state["history"], state.get("step_seconds", [None] * state["step"]),
             state.get("validations", []))

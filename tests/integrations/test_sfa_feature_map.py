@@ -14,7 +14,7 @@ import sieve_attn as sa
 import sieve_attn.nn.sfa_layer as sfa_layer
 from sieve_attn.integrations.transformers import adapter_state, sfa_layers
 from sieve_attn.nn.sfa_layer import Moments, SFALayer
-from sieve_attn.train.calibrate import _principal_axes
+from sieve_attn.train.calibrate import _calibrated as calibrated_layer
 from sieve_attn.train.finetune import FinetuneSettings, finetune, load_weights
 
 try:
@@ -168,7 +168,7 @@ def test_principal_axes_let_the_topk_keep_the_scores():
         identity = error(layer.attend(q, k, v))
         layer.moments, layer.topk = Moments(), dim
         assert error(layer.attend(q, k, v)) < 1e-5  # top-k = D, identity map: dense attention
-        axes = _principal_axes(layer.moments)
+        axes = calibrated_layer(layer)[0]
         layer.moments, layer.topk = None, TOPK
         torch.testing.assert_close(axes[0].T @ axes[0], torch.eye(dim), rtol=0, atol=1e-5)
         layer.feature_map.copy_(torch.linalg.qr(torch.randn(1, dim, dim, generator=generator))[0])
@@ -260,11 +260,12 @@ def test_adapter_misfits_are_refused(tmp_path):
 def test_misuse_is_refused():
     windows = _calibration_windows()
     for model, what in ((tiny_model("llama"), "a model without SFA"),
-                        (sa.compose(tiny_model("llama"), sa.SFAConfig(topk=TOPK)), "SFA layers without a feature map"),
+                        (sa.compose(tiny_model("llama"), sa.SFAConfig(topk=TOPK)),
+                         "SFA layers with neither a feature map nor selection weights"),
                         (sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4)),
                          "a model without SFA")):
-        with pytest.raises(ValueError, match=f"model: expected a model composed with SFAConfig\\(feature_map=True\\), "
-                                             f"got {what}"):
+        with pytest.raises(ValueError, match=f"model: expected a model composed with SFAConfig\\(feature_map=True\\) "
+                                             f"or SFAConfig\\(selection='importance'\\), got {what}"):
             sa.calibrate_feature_maps(model, windows, progress=False)
     for bad in (torch.zeros(0, 8, dtype=torch.long), windows[0]):
         with pytest.raises(ValueError, match="windows: expected token ids"):
@@ -274,8 +275,12 @@ def test_misuse_is_refused():
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="feature_map: expected True or False"):
             sa.SFAConfig(feature_map=bad)
-    config = sa.SFAConfig(topk=TOPK, feature_map=True)
+    with pytest.raises(ValueError, match="selection: expected one of \\['importance', 'magnitude'\\], got 'weighted'"):
+        sa.SFAConfig(selection="weighted")
+    config = sa.SFAConfig(topk=TOPK, feature_map=True, selection="importance")
     assert sa.SFAConfig.from_dict(config.to_dict()) == config
+    # An adapter saved before selection existed reads as the paper's rule.
+    assert sa.SFAConfig.from_dict({"topk": TOPK, "backend": "auto", "feature_map": True}).selection == "magnitude"
 
 
 def test_maps_stay_float32_in_a_bfloat16_model():

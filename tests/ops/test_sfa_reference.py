@@ -146,6 +146,31 @@ def test_sparsify_gradient_is_straight_through():
     assert torch.equal(grad, 2 * x.detach() * mask)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [F64])
+def test_weighted_sparsify_ranks_by_weighted_magnitude_and_keeps_the_values(dtype):
+    """Coordinates rank by |x| * w (w broadcast per head), ties by index; the kept values are x's own; all-ones
+    weights are the plain rule; the plain rule leaves a weighted result unchanged (which every SFA path relies on);
+    gradients are straight through the weighted mask."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 5, 32, dtype=F64).to(dtype)
+    weights = torch.rand(3, 1, 32) * 4  # float32 whatever x's dtype, as a calibrated layer keeps them
+    kept = sparsify(x, 6, weights)
+    ranked = oracle_sparsify(x.to(F64) * weights.to(F64), 6)[1]
+    assert kept.dtype == dtype and torch.equal(kept, x * ranked)
+    assert torch.equal(sparsify(kept, 6), kept)
+    assert torch.equal(sparsify(x, 6, torch.ones(32)), sparsify(x, 6))
+    assert torch.equal(sparsify(torch.tensor([1.0, 2.0, 1.0, 2.0]), 1, torch.tensor([2.0, 1.0, 2.0, 1.0])),
+                       torch.tensor([1.0, 0.0, 0.0, 0.0]))  # |x| w ties at 2: the lower index
+    leaf = x.to(F64).requires_grad_(True)
+    upstream = torch.randn_like(leaf)
+    (grad,) = torch.autograd.grad((sparsify(leaf, 6, weights) * upstream).sum(), leaf)
+    assert torch.equal(grad, upstream * ranked)
+    for bad, got in ((torch.ones(4, 1, 32), "shape \\(4, 1, 32\\)"), (torch.ones(16), "shape \\(16,\\)"),
+                     (torch.ones(32, dtype=torch.long), "torch.int64")):
+        with pytest.raises(ValueError, match=f"weights: expected .*got {got}"):
+            sparsify(x, 6, bad)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2. Accuracy on odd shapes (the FlashAttention rule)
 # ----------------------------------------------------------------------------------------------------------------

@@ -320,6 +320,34 @@ def test_a_best_written_after_the_last_checkpoint_does_not_survive_a_crash(tmp_p
     assert [p.name for p in tmp_path.glob("best-*")] == ["best-2.safetensors"]
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"lr": 1e-3}, "lr: expected 0.003, the value in .*checkpoint.pt .*got 0.001"),
+    ({"mixed_precision": "bf16"}, "mixed_precision: expected 'no', the value in"),
+    ({"matching_weight": 0.0}, "matching_weight: expected 1.0, the value in"),
+    ({"seed": 1}, "seed: expected 0, the value in"),
+])
+def test_resume_refuses_settings_that_change_the_run(tmp_path, change, message):
+    """Resuming may extend a run (steps) but not change what it trains towards; the refusal comes before the
+    checkpoint is restored, so the model is untouched."""
+    settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2)
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings, progress=False)
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=message):
+        finetune(model, _windows(), tmp_path, FinetuneSettings(**{**settings.__dict__, "steps": 2, **change}),
+                 resume=True, progress=False)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_resume_refuses_other_windows(tmp_path):
+    settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2)
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings, progress=False)
+    with pytest.raises(ValueError, match="windows: expected the token windows .* trained on \\(6 x 24 sha256:"
+                                         ".*got 6 x 24 sha256:"):
+        finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), random_ids(6, 24, seed=6), tmp_path,
+                 FinetuneSettings(**{**settings.__dict__, "steps": 2}), resume=True, progress=False)
+
+
 def test_resume_without_validation_keeps_the_last_weights_and_the_best_files(tmp_path, monkeypatch):
     _scripted_validation(monkeypatch, [1.0, 2.0], [])
     settings = FinetuneSettings(steps=2, lr=3e-3, warmup=1, batch_size=2, validate_every=1)

@@ -6,6 +6,10 @@ magnitudes the lower coordinate index wins. ``torch.topk`` leaves ties unspecifi
 the lowest index), which would make bf16/fp16 codes, where equal magnitudes are common, differ between devices and
 from a future kernel; a stable sort pins the rule. x should hold no NaN (its rank is unspecified).
 
+Weighted selection (:func:`sparsify` with ``weights``): coordinate u ranks by |x_u| * w_u instead, with the same
+tie rule; the kept values are still x's own. A calibrated layer uses it to prefer the coordinates that carry more of
+the scores (:class:`~sieve_attn.nn.sfa_layer.SFALayer`).
+
 Two forms: (indices, values) pairs (:func:`sparse_codes`, the compact form of a key cache, which also bit-packs
 the indices: :func:`.cache.pack_indices`) and the zero-filled dense vector (:func:`sparsify`, what the reference
 attention multiplies). :func:`densify` turns the first into the second.
@@ -38,12 +42,26 @@ def _check_x(x) -> int:
     return x.shape[-1]
 
 
-def top_indices(x: torch.Tensor, topk: int) -> torch.Tensor:
-    """int64 [..., topk]: the kept coordinates of x [..., D], by decreasing |x|, ties by increasing index.
+def _check_weights(weights, x: torch.Tensor) -> None:
+    if not isinstance(weights, torch.Tensor) or not weights.dtype.is_floating_point:
+        fail("weights", "a float tensor", type(weights).__name__ if not isinstance(weights, torch.Tensor)
+             else weights.dtype)
+    try:
+        fits = torch.broadcast_shapes(weights.shape, x.shape) == x.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        fail("weights", f"a tensor broadcastable to x's shape {tuple(x.shape)}", f"shape {tuple(weights.shape)}")
+
+
+def top_indices(x: torch.Tensor, topk: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [..., topk]: the kept coordinates of x [..., D], by decreasing |x| (times ``weights``, broadcast to
+    x, when given), ties by increasing index.
 
     No argument checks (callers have done them). The selection is not differentiable and needs no graph.
     """
-    order = torch.sort(x.detach().abs(), dim=-1, descending=True, stable=True).indices
+    rank = x.detach().abs() if weights is None else x.detach().abs() * weights
+    order = torch.sort(rank, dim=-1, descending=True, stable=True).indices
     return order[..., :topk]
 
 
@@ -73,8 +91,12 @@ def densify(indices: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tens
     return dense.scatter(-1, indices.long(), values)
 
 
-def sparsify(x: torch.Tensor, topk: int) -> torch.Tensor:
+def sparsify(x: torch.Tensor, topk: int, weights: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] with all but its top-``topk`` coordinates by |x| set to 0 (same shape and dtype).
+
+    ``weights``: optional finite non-negative float tensor broadcastable to x; coordinates then rank by |x| *
+    weights (module docstring). The result has at most ``topk`` nonzeros, so sparsifying it again with the plain
+    rule returns it unchanged: weighted codes pass through every SFA path as they are.
 
     Gradients follow the paper's straight-through rule (Eq. 6): the selection is a constant, so the gradient of x
     is the incoming gradient on the selected coordinates and exactly 0 on the others, i.e. autograd of
@@ -82,5 +104,7 @@ def sparsify(x: torch.Tensor, topk: int) -> torch.Tensor:
     """
     dim = _check_x(x)
     topk = check_int("topk", topk, 1, dim)
-    indices = top_indices(x, topk)
+    if weights is not None:
+        _check_weights(weights, x)
+    indices = top_indices(x, topk, weights)
     return densify(indices, x.gather(-1, indices), dim)
