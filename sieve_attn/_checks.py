@@ -85,9 +85,14 @@ def skip_nan_checks():
         _nan_checks_skipped = previous
 
 
+def nan_checks_skipped() -> bool:
+    """Whether the caller is inside :func:`skip_nan_checks` (value checks that read the device are off)."""
+    return _nan_checks_skipped
+
+
 def nan_checks(**tensors: torch.Tensor) -> list:
     """The :func:`fail_where` checks that each named tensor holds no NaN; none within :func:`skip_nan_checks`."""
-    if _nan_checks_skipped:
+    if nan_checks_skipped():
         return []
     return [(name, "no NaN values", "NaN", torch.isnan(t).any()) for name, t in tensors.items()]
 

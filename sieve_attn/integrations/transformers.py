@@ -231,6 +231,18 @@ def _trained_fields(config: Optional[FocusConfig]) -> Optional[dict]:
     return {k: v for k, v in config.to_dict().items() if k not in FOCUS_INFERENCE_FIELDS}
 
 
+def trained_configs(focus: Optional[FocusConfig], sfa: Optional[SFAConfig]) -> dict:
+    """{"focus", "sfa"}: what an adapter or a training checkpoint must share with the model that takes it, as
+    JSON-able dicts (None for a method not composed): the Focus fields that shape the routers and their pattern
+    (not ``mode`` and ``backend``, which only change how they are used) and the whole SFA config."""
+    return {"focus": _trained_fields(focus), "sfa": None if sfa is None else sfa.to_dict()}
+
+
+def composed_configs(model: nn.Module) -> dict:
+    """:func:`trained_configs` of ``model`` (both None for a plain model)."""
+    return trained_configs(getattr(model, "sieve_config", None), getattr(model, "sieve_sfa_config", None))
+
+
 def load_adapter(model: nn.Module, directory) -> nn.Module:
     """Loads an adapter saved by :func:`save_adapter`, composing ``model`` first when it is still plain.
 
@@ -247,11 +259,14 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
         fail("model", f"the model the adapter was trained on {expected}", actual)
     if not is_composed(model):
         compose(model, *(c for c in (focus, sfa) if c is not None))
-    elif (_trained_fields(model.sieve_config), model.sieve_sfa_config) != (_trained_fields(focus), sfa):
+    elif composed_configs(model) != trained_configs(focus, sfa):
         fail("model", f"a model composed with the adapter's configs {focus}, {sfa}",
              f"{model.sieve_config}, {model.sieve_sfa_config}")
     tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     check_tensors_fit("adapter", tensors, adapter_state(model), "tensors named as this model's Focus and SFA layers")
+    for name, tensor in tensors.items():  # the layers rank by them unchecked (SFALayer.map_queries)
+        if name.endswith(".selection_weights") and not (torch.isfinite(tensor) & (tensor >= 0)).all():
+            fail(f"adapter tensor {name}", "finite selection weights >= 0", "a negative, infinite or NaN value")
     model.load_state_dict(tensors, strict=False)
     if focus is not None:
         set_focus_mode(model, focus.mode)

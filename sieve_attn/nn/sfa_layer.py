@@ -9,10 +9,10 @@ from torch import nn
 from .._checks import fail
 from ..config import SFAConfig, sfa_decode_backend
 from ..ops.blockwise import blockwise_attention
-from ..ops.masked_sdpa import causal_mask, masked_sdpa
+from ..ops.masked_sdpa import unmasked_sdpa
 from ..ops.sfa.attention import sfa_attention
 from ..ops.sfa.cache import SFAKeyCache
-from ..ops.sfa.codes import densify, sparsify
+from ..ops.sfa.codes import densify, select, sparsify
 from ..ops.sfa.decode import sfa_decode
 
 
@@ -80,7 +80,7 @@ class SFALayer(nn.Module):
 
     With ``config.selection == "importance"`` it holds ``selection_weights`` [2, Hkv, D], a float32 buffer (all 1
     at first, :func:`sieve_attn.calibrate_feature_maps` sets it): [0, g] ranks the coordinates of the queries of KV
-    head g, [1, g] those of its keys (:func:`~sieve_attn.ops.sfa.codes.sparsify` with ``weights``). map_queries and
+    head g, [1, g] those of its keys (:func:`~sieve_attn.ops.sfa.codes.sparsify`'s ``weights``). map_queries and
     map_keys then return the vectors already reduced to their top-k, which every later plain top-k keeps as they
     are, so each attention path, cache and kernel computes the weighted codes unchanged. (Its straight-through
     gradient differs only at a selected coordinate whose value is exactly 0, which a plain top-k may swap for
@@ -120,8 +120,9 @@ class SFALayer(nn.Module):
             k = torch.matmul(k, self.feature_map.to(k.dtype))
         if self.selection_weights is None:
             return k
-        # The weights stay float32: the ranks are products, which in bfloat16 would tie far more often.
-        return sparsify(k, self.topk, self.selection_weights[1, :, None, :])
+        # The weights stay float32: the ranks are products, which in bfloat16 would tie far more often. Calibration
+        # made them finite and >= 0, so they go unchecked (a check would wait on the device every call).
+        return select(k, self.topk, self.selection_weights[1, :, None, :])
 
     def map_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, T, D] in the feature basis of each query head's KV head (q itself without a feature map);
@@ -132,7 +133,7 @@ class SFALayer(nn.Module):
         if self.selection_weights is None:
             return q
         weights = self.selection_weights[0].repeat_interleave(q.shape[1] // self.selection_weights.shape[1], 0)
-        return sparsify(q, self.topk, weights[:, None, :])
+        return select(q, self.topk, weights[:, None, :])
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None, focus=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] with SFA scores; with ``focus`` (the layer's
@@ -183,14 +184,13 @@ class SFALayer(nn.Module):
 
     def _dense_target(self, q, k, v, attn_mask, scale, softcap) -> Optional[torch.Tensor]:
         """The layer's dense causal attention output [B, Hq, Tq, D] (no gradient) while the matching term is
-        recorded, else None. PyTorch's SDPA computes it unless the logits are capped (SDPA has no softcap): a
-        regression target needs no graph, and on a GPU SDPA's fused kernels beat the blockwise reference, which
-        writes every block's float32 scores to memory."""
+        recorded, else None. Without a mask and a softcap PyTorch's SDPA computes it: a regression target needs no
+        graph, and on a GPU SDPA's fused kernels beat the blockwise reference, which writes every block's float32
+        scores to memory. A mask (SDPA would need it as a Tq x Tk tensor) or a softcap (SDPA has none) takes the
+        blockwise reference, in O(block x Tk) memory."""
         if not (self.matching and torch.is_grad_enabled()):
             return None
         with torch.no_grad():
-            if softcap is not None:
-                return blockwise_attention(q, k, v, scale=scale, causal=True, softcap=softcap,
-                                           attn_mask=attn_mask)[0]
-            allowed = causal_mask(q.shape[2], k.shape[2], q.device)
-            return masked_sdpa(q, k, v, allowed if attn_mask is None else allowed & attn_mask, scale=scale)
+            if attn_mask is None and softcap is None:
+                return unmasked_sdpa(q, k, v, causal=True, scale=scale)
+            return blockwise_attention(q, k, v, scale=scale, causal=True, softcap=softcap, attn_mask=attn_mask)[0]

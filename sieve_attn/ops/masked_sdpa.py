@@ -1,9 +1,11 @@
-"""PyTorch's dense attention under a boolean mask, for the paths that hand a pattern to SDPA: Focus's ``dense``
-backend (short sequences) and SFA's ``sdpa`` backend with a padding mask."""
+"""PyTorch's dense attention, for the paths that hand a pattern to SDPA: under a boolean mask (Focus's ``dense``
+backend for short sequences, SFA's ``sdpa`` backend with a padding mask), or causal without a mask tensor (SFA's
+``sdpa`` backend, the dense target of SFA's output-matching term)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
@@ -22,3 +24,13 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torc
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~attended, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return torch.where(attended, out, 0.0)
+
+
+def unmasked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+    """SDPA of q [B, Hq, Tq, D] over k, v [B, Hkv, Tk, D] (GQA as in :func:`masked_sdpa`) with no mask tensor, so
+    PyTorch's fused kernels can take it in O(T) memory; out [B, Hq, Tq, D] in q's dtype. Causal: query i sits at key
+    position Tk - Tq + i (``is_causal`` when Tq == Tk, PyTorch's lower-right causal bias for Tq < Tk)."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    bias = causal_lower_right(q_len, k_len) if causal and q_len < k_len else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal and bias is None, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])

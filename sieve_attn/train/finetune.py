@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from .._checks import check_int, check_tensors_fit, fail
 from .._files import atomic_write
-from ..integrations.transformers import LAYER_ATTR, SFA_ATTR, head_dim, sfa_layers
+from ..integrations.transformers import LAYER_ATTR, SFA_ATTR, composed_configs, head_dim, sfa_layers
 from . import distributed, loop
 
 WEIGHTS = "model.safetensors"
@@ -222,10 +222,10 @@ def _restore(model, optimizer, params: dict, best_dir: Path | None, state: dict)
     if best_dir is not None and best is not None and not (best_dir / BEST_WEIGHTS.format(best[0])).is_file():
         fail("checkpoint", f"{BEST_WEIGHTS.format(best[0])} beside it (the best weights its validations name; "
                            f"copy it along, or resume with validate_every=0)", f"no such file in {best_dir}")
-    _load_full_weights(model, params, state["weights"], "checkpoint")
     fixed = fixed_tensors(model)
     saved = state.get("fixed", {})  # a checkpoint older than selection weights has none
     check_tensors_fit("checkpoint", saved, fixed, "selection weights of this model's SFA layers")
+    _load_full_weights(model, params, state["weights"], "checkpoint")
     for name, tensor in saved.items():
         fixed[name].copy_(tensor)
     names = dict(enumerate(params))
@@ -362,7 +362,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
                    restore=partial(_restore, model, optimizer, params, out_dir if validating else None),
                    begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),
-                   **early_stopping)
+                   model_configs=composed_configs(model), **early_stopping)
     model.eval()
     for layer in layers:
         layer.matching = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -63,6 +63,9 @@ class Job:
       when it returns. It must not destroy what an earlier best kept: the last checkpoint may still name that one.
     - ``checkpointed(validations)``: called on every process once a checkpoint recording ``validations`` is on
       disk, so that the job can let go of what only a superseded best needed.
+    - ``model_configs``: what the trained model is composed with
+      (:func:`~sieve_attn.integrations.transformers.composed_configs`); checkpoints record it and resuming
+      refuses a checkpoint of another.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Job:
     validate: Callable[[], float] | None = None
     keep_best: Callable[[int], None] = lambda step: None
     checkpointed: Callable[[list], None] = lambda validations: None
+    model_configs: dict = field(default_factory=dict)
 
 
 def check_settings(windows: torch.Tensor, settings) -> None:
@@ -114,11 +118,12 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
     ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
     main process: {"step", **``job.snapshot()``, "history", "step_seconds" (this process's wall time of each
     step's forwards, backwards and update, checkpoint writing excluded; None for steps of a checkpoint written
-    without them), "validations", "settings", "windows" (:func:`windows_digest`)}. With
+    without them), "validations", "settings", "windows" (:func:`windows_digest`), "model_configs"}. With
     ``settings.validate_every`` > 0 the job validates after every ``validate_every`` steps and after the last,
     before that step's checkpoint, and ``job.keep_best`` keeps the model of each new best. ``resume=True``
     continues from that file when it exists (every process reads it); the run then equals an uninterrupted one. It
-    refuses (ValueError) other windows, or settings changed in more than :data:`RESUMABLE_CHANGES`.
+    refuses (ValueError) a model composed otherwise, other windows, or settings changed in more than
+    :data:`RESUMABLE_CHANGES`.
     """
     micro = micro_batch_size(settings, runtime)
     if settings.validate_every and job.validate is None:
@@ -154,7 +159,8 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
             state = job.snapshot()
             runtime.write(lambda: save_checkpoint({"step": step + 1, **state, "history": history,
                                                    "step_seconds": step_seconds, "validations": validations,
-                                                   "settings": asdict(settings), "windows": trained_on}, path))
+                                                   "settings": asdict(settings), "windows": trained_on,
+                                                   "model_configs": job.model_configs}, path))
             job.checkpointed(validations)
     return history, validations
 
@@ -175,8 +181,9 @@ def best_validation(validations: list[tuple]) -> tuple | None:
 
 
 # Settings a resumed run may change: how long it runs and how it checkpoints, validates and splits its batches. Any
-# other change (learning rate, batch, seed, the loss's weights, precision) would make the run neither the one
-# checkpointed nor a fresh one, so resuming refuses it.
+# other change of the settings (learning rate, batch, seed, the loss's weights, precision) would make the run
+# neither the one checkpointed nor a fresh one, so resuming refuses it, as it refuses a model composed otherwise and
+# other windows. Not compared: which teacher a distillation uses (only its weight).
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "validate_every", "micro_batch")
 
 
@@ -188,16 +195,18 @@ def windows_digest(windows: torch.Tensor) -> str:
 
 def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list, list, list]:
     """(first step to train, history, step seconds and validations so far) from the checkpoint at ``path``, its
-    state restored; (0, [], [], []) without one. ValueError, before anything is restored, when the windows'
-    :func:`windows_digest` ``trained_on`` is not the checkpoint's, or ``settings`` differs from the checkpoint's in
-    a field outside :data:`RESUMABLE_CHANGES` (what a checkpoint written by an older version does not record is
-    not compared)."""
+    state restored; (0, [], [], []) without one. ValueError, before anything is restored, when the job's
+    ``model_configs`` or the windows' :func:`windows_digest` ``trained_on`` is not the checkpoint's, or
+    ``settings`` differs from the checkpoint's in a field outside :data:`RESUMABLE_CHANGES` (what a checkpoint
+    written by an older version does not record is not compared)."""
     state = load_checkpoint(path)
     if state is None:
         return 0, [], [], []
+    if state.get("model_configs", job.model_configs) != job.model_configs:
+        fail("model", f"a model composed as the one {path} trained ({state['model_configs']})", job.model_configs)
     if state.get("windows", trained_on) != trained_on:
         fail("windows", f"the token windows {path} trained on ({state['windows']}: the same text, context and "
-                        f"number of windows)", trained_on)
+                        f"number of windows; the sieve commands take --steps x --batch-size of them)", trained_on)
     saved = state.get("settings", {})
     for name, value in asdict(settings).items():
         if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value:

@@ -192,6 +192,26 @@ def test_finetune_keeps_the_weights_and_resume_restores_them(tmp_path):
     magnitude = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=TOPK, feature_map=True))
     finetune(magnitude, windows, tmp_path / "magnitude", FinetuneSettings(**{**settings.__dict__, "steps": 2}),
              progress=False)
+    importance = sa.compose(tiny_model("llama"), _config())
+    before = {name: p.clone() for name, p in importance.named_parameters()}
+    with pytest.raises(ValueError, match="model: expected a model composed as the one .* trained .*'magnitude'"):
+        finetune(importance, windows, tmp_path / "magnitude", settings, resume=True, progress=False)
+    # A checkpoint older than the recorded configs: the missing selection weights are refused, before any restore.
+    path = tmp_path / "magnitude" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    del state["model_configs"]
+    torch.save(state, path)
     with pytest.raises(ValueError, match="checkpoint: expected the 2 selection weights of this model's SFA layers"):
-        finetune(sa.compose(tiny_model("llama"), _config()), windows, tmp_path / "magnitude", settings, resume=True,
-                 progress=False)
+        finetune(importance, windows, tmp_path / "magnitude", settings, resume=True, progress=False)
+    assert all(torch.equal(p, before[name]) for name, p in importance.named_parameters())
+
+
+def test_adapter_with_bad_selection_weights_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    sa.save_adapter(_calibrated(), tmp_path)
+    tensors = load_file(str(tmp_path / "adapter.safetensors"))
+    name = "model.layers.1.self_attn.sieve_sfa.selection_weights"
+    save_file({**tensors, name: -tensors[name]}, str(tmp_path / "adapter.safetensors"))
+    with pytest.raises(ValueError, match=f"adapter tensor {name}: expected finite selection weights >= 0"):
+        sa.load_adapter(tiny_model("llama"), tmp_path)

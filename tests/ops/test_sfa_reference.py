@@ -166,9 +166,15 @@ def test_weighted_sparsify_ranks_by_weighted_magnitude_and_keeps_the_values(dtyp
     (grad,) = torch.autograd.grad((sparsify(leaf, 6, weights) * upstream).sum(), leaf)
     assert torch.equal(grad, upstream * ranked)
     for bad, got in ((torch.ones(4, 1, 32), "shape \\(4, 1, 32\\)"), (torch.ones(16), "shape \\(16,\\)"),
-                     (torch.ones(32, dtype=torch.long), "torch.int64")):
+                     (torch.ones(32, dtype=torch.long), "torch.int64"), (torch.ones(32, device="meta"), "meta"),
+                     (-torch.ones(32), "a negative, infinite or NaN value"),
+                     (torch.full((32,), float("nan")), "a negative, infinite or NaN value")):
         with pytest.raises(ValueError, match=f"weights: expected .*got {got}"):
             sparsify(x, 6, bad)
+    with sa.skip_nan_checks():  # the value check reads the device; the layouts are still checked
+        sparsify(x, 6, -torch.ones(32))
+        with pytest.raises(ValueError, match="weights: expected a tensor broadcastable"):
+            sparsify(x, 6, torch.ones(16))
 
 
 # ----------------------------------------------------------------------------------------------------------------

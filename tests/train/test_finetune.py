@@ -339,6 +339,15 @@ def test_resume_refuses_settings_that_change_the_run(tmp_path, change, message):
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
+def test_resume_refuses_a_model_composed_otherwise(tmp_path):
+    settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2)
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings, progress=False)
+    with pytest.raises(ValueError, match="model: expected a model composed as the one .*checkpoint.pt trained "
+                                         "\\(.*'topk': 4.*got .*'topk': 8"):
+        finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=8)), _windows(), tmp_path,
+                 FinetuneSettings(**{**settings.__dict__, "steps": 2}), resume=True, progress=False)
+
+
 def test_resume_refuses_other_windows(tmp_path):
     settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2)
     finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings, progress=False)

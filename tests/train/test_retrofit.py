@@ -194,9 +194,22 @@ def test_retrofit_refuses_a_plain_model(tmp_path):
         retrofit(tiny_model("llama"), _windows(), tmp_path, RetrofitSettings(steps=1), progress=False)
 
 
-def test_resume_refuses_a_checkpoint_of_other_routers(tmp_path):
+def test_resume_refuses_a_checkpoint_of_another_pattern(tmp_path):
+    """Same router shapes, another window: refused by the recorded configs, before the routers are restored."""
     retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=1, **dict(SETTINGS, checkpoint_every=1)),
              progress=False)
+    wider = sa.compose(tiny_model("llama", seed=0), sa.FocusConfig(num_groups=4, window=8, top_k=2))
+    with pytest.raises(ValueError, match="model: expected a model composed as the one .* trained .*'window': 4"):
+        retrofit(wider, _windows(), tmp_path, RetrofitSettings(steps=2, **SETTINGS), resume=True, progress=False)
+
+
+def test_resume_refuses_a_checkpoint_of_other_routers(tmp_path):
+    """A checkpoint older than the recorded configs: the routers' shapes are still checked."""
+    retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=1, **dict(SETTINGS, checkpoint_every=1)),
+             progress=False)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    del state["model_configs"]
+    torch.save(state, tmp_path / "checkpoint.pt")
     wider = sa.compose(tiny_model("llama", seed=0), sa.FocusConfig(num_groups=8, window=4, top_k=2))
     with pytest.raises(ValueError, match="checkpoint tensor .*centroids: expected shape \\(8, 16\\), got \\(4, 16\\)"):
         retrofit(wider, _windows(), tmp_path, RetrofitSettings(steps=2, **SETTINGS), resume=True, progress=False)

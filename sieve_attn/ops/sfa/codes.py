@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import check_int, fail
+from ..._checks import check_int, fail, fail_where, nan_checks_skipped
 
 
 def index_dtype(dim: int) -> torch.dtype:
@@ -43,15 +43,22 @@ def _check_x(x) -> int:
 
 
 def _check_weights(weights, x: torch.Tensor) -> None:
+    """Selection weights: a float tensor on x's device, broadcastable to x, finite and >= 0 (the values are read on
+    the device: one host synchronisation, none within :func:`sieve_attn.skip_nan_checks`)."""
     if not isinstance(weights, torch.Tensor) or not weights.dtype.is_floating_point:
         fail("weights", "a float tensor", type(weights).__name__ if not isinstance(weights, torch.Tensor)
              else weights.dtype)
+    if weights.device != x.device:
+        fail("weights", f"a tensor on x's device ({x.device})", weights.device)
     try:
         fits = torch.broadcast_shapes(weights.shape, x.shape) == x.shape
     except RuntimeError:
         fits = False
     if not fits:
         fail("weights", f"a tensor broadcastable to x's shape {tuple(x.shape)}", f"shape {tuple(weights.shape)}")
+    if not nan_checks_skipped():
+        fail_where([("weights", "finite values >= 0", "a negative, infinite or NaN value",
+                     ~(torch.isfinite(weights) & (weights >= 0)).all())])
 
 
 def top_indices(x: torch.Tensor, topk: int, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,17 +101,23 @@ def densify(indices: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tens
 def sparsify(x: torch.Tensor, topk: int, weights: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] with all but its top-``topk`` coordinates by |x| set to 0 (same shape and dtype).
 
-    ``weights``: optional finite non-negative float tensor broadcastable to x; coordinates then rank by |x| *
-    weights (module docstring). The result has at most ``topk`` nonzeros, so sparsifying it again with the plain
-    rule returns it unchanged: weighted codes pass through every SFA path as they are.
+    ``weights``: optional float tensor on x's device, broadcastable to x, finite and >= 0 (ValueError otherwise);
+    coordinates then rank by |x| * weights (module docstring). The result has at most ``topk`` nonzeros, so
+    sparsifying it again with the plain rule returns it unchanged: weighted codes pass through every SFA path as
+    they are.
 
     Gradients follow the paper's straight-through rule (Eq. 6): the selection is a constant, so the gradient of x
     is the incoming gradient on the selected coordinates and exactly 0 on the others, i.e. autograd of
     ``x * mask`` with ``mask`` fixed.
     """
-    dim = _check_x(x)
-    topk = check_int("topk", topk, 1, dim)
+    topk = check_int("topk", topk, 1, _check_x(x))
     if weights is not None:
         _check_weights(weights, x)
+    return select(x, topk, weights)
+
+
+def select(x: torch.Tensor, topk: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`sparsify` without its argument checks, for callers that have done them (an SFA layer ranking by its
+    own calibrated weights, which would otherwise wait on the device for every check of them)."""
     indices = top_indices(x, topk, weights)
-    return densify(indices, x.gather(-1, indices), dim)
+    return densify(indices, x.gather(-1, indices), x.shape[-1])

@@ -14,11 +14,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..._checks import fail
-from ..masked_sdpa import causal_mask, masked_sdpa
+from ..masked_sdpa import causal_mask, masked_sdpa, unmasked_sdpa
 from .codes import sparsify
 
 
@@ -56,7 +54,4 @@ def sfa_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top
     if attn_mask is not None:
         allowed = attn_mask & causal_mask(q_len, k_len, q.device) if causal else attn_mask
         return masked_sdpa(q_sparse, k_sparse, v, allowed, scale=scale)
-    # No mask tensor: is_causal aligns Tq == Tk; a chunk with Tq < Tk takes PyTorch's lower-right causal bias.
-    bias = causal_lower_right(q_len, k_len) if causal and q_len < k_len else None
-    return F.scaled_dot_product_attention(q_sparse, k_sparse, v, attn_mask=bias, is_causal=causal and bias is None,
-                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return unmasked_sdpa(q_sparse, k_sparse, v, causal=causal, scale=scale)
