@@ -10,6 +10,7 @@ sweep in docs/results.md.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -89,6 +90,18 @@ def fixed_tensors(model) -> dict[str, torch.Tensor]:
     weights (buffers, set by calibration), named as :func:`trained_parameters` names."""
     return {name.replace(_CHECKPOINT_WRAPPER, ""): t for name, t in model.named_buffers()
             if f".{SFA_ATTR}." in name and name.endswith(".selection_weights")}
+
+
+def teacher_digest(teacher) -> str | None:
+    """"sha256:HEX" of a teacher's state dict (names, shapes, dtypes and bytes, in order), which a resumed
+    distillation must share; None without a teacher."""
+    if teacher is None:
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in teacher.state_dict().items():
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return f"sha256:{digest.hexdigest()[:16]}"
 
 
 def own_weights(params: dict) -> dict:
@@ -362,7 +375,8 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
                    restore=partial(_restore, model, optimizer, params, out_dir if validating else None),
                    begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),
-                   model_configs=composed_configs(model), **early_stopping)
+                   identity={"model": composed_configs(model), "teacher": teacher_digest(teacher)},
+                   **early_stopping)
     model.eval()
     for layer in layers:
         layer.matching = True

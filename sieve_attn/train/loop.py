@@ -63,9 +63,9 @@ class Job:
       when it returns. It must not destroy what an earlier best kept: the last checkpoint may still name that one.
     - ``checkpointed(validations)``: called on every process once a checkpoint recording ``validations`` is on
       disk, so that the job can let go of what only a superseded best needed.
-    - ``model_configs``: what the trained model is composed with
-      (:func:`~sieve_attn.integrations.transformers.composed_configs`); checkpoints record it and resuming
-      refuses a checkpoint of another.
+    - ``identity``: what else a resumed run must share with the checkpointed one, by name, as JSON-able values
+      (the composed configs of the model, a teacher's digest); checkpoints record it, and resuming refuses a
+      checkpoint whose value of a name differs.
     """
 
     name: str
@@ -76,7 +76,7 @@ class Job:
     validate: Callable[[], float] | None = None
     keep_best: Callable[[int], None] = lambda step: None
     checkpointed: Callable[[list], None] = lambda validations: None
-    model_configs: dict = field(default_factory=dict)
+    identity: dict = field(default_factory=dict)
 
 
 def check_settings(windows: torch.Tensor, settings) -> None:
@@ -118,11 +118,11 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
     ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
     main process: {"step", **``job.snapshot()``, "history", "step_seconds" (this process's wall time of each
     step's forwards, backwards and update, checkpoint writing excluded; None for steps of a checkpoint written
-    without them), "validations", "settings", "windows" (:func:`windows_digest`), "model_configs"}. With
+    without them), "validations", "settings", "windows" (:func:`windows_digest`), "identity"}. With
     ``settings.validate_every`` > 0 the job validates after every ``validate_every`` steps and after the last,
     before that step's checkpoint, and ``job.keep_best`` keeps the model of each new best. ``resume=True``
     continues from that file when it exists (every process reads it); the run then equals an uninterrupted one. It
-    refuses (ValueError) a model composed otherwise, other windows, or settings changed in more than
+    refuses (ValueError) another ``job.identity``, other windows, or settings changed in more than
     :data:`RESUMABLE_CHANGES`.
     """
     micro = micro_batch_size(settings, runtime)
@@ -160,7 +160,7 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
             runtime.write(lambda: save_checkpoint({"step": step + 1, **state, "history": history,
                                                    "step_seconds": step_seconds, "validations": validations,
                                                    "settings": asdict(settings), "windows": trained_on,
-                                                   "model_configs": job.model_configs}, path))
+                                                   "identity": job.identity}, path))
             job.checkpointed(validations)
     return history, validations
 
@@ -182,8 +182,8 @@ def best_validation(validations: list[tuple]) -> tuple | None:
 
 # Settings a resumed run may change: how long it runs and how it checkpoints, validates and splits its batches. Any
 # other change of the settings (learning rate, batch, seed, the loss's weights, precision) would make the run
-# neither the one checkpointed nor a fresh one, so resuming refuses it, as it refuses a model composed otherwise and
-# other windows. Not compared: which teacher a distillation uses (only its weight).
+# neither the one checkpointed nor a fresh one, so resuming refuses it, as it refuses another Job.identity (a model
+# composed otherwise, another teacher) and other windows.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "validate_every", "micro_batch")
 
 
@@ -196,14 +196,16 @@ def windows_digest(windows: torch.Tensor) -> str:
 def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list, list, list]:
     """(first step to train, history, step seconds and validations so far) from the checkpoint at ``path``, its
     state restored; (0, [], [], []) without one. ValueError, before anything is restored, when the job's
-    ``model_configs`` or the windows' :func:`windows_digest` ``trained_on`` is not the checkpoint's, or
+    ``identity`` or the windows' :func:`windows_digest` ``trained_on`` is not the checkpoint's, or
     ``settings`` differs from the checkpoint's in a field outside :data:`RESUMABLE_CHANGES` (what a checkpoint
     written by an older version does not record is not compared)."""
     state = load_checkpoint(path)
     if state is None:
         return 0, [], [], []
-    if state.get("model_configs", job.model_configs) != job.model_configs:
-        fail("model", f"a model composed as the one {path} trained ({state['model_configs']})", job.model_configs)
+    for name, value in job.identity.items():
+        saved = state.get("identity", {})
+        if name in saved and saved[name] != value:
+            fail(name, f"{saved[name]!r}, what {path} was trained with", repr(value))
     if state.get("windows", trained_on) != trained_on:
         fail("windows", f"the token windows {path} trained on ({state['windows']}: the same text, context and "
                         f"number of windows; the sieve commands take --steps x --batch-size of them)", trained_on)

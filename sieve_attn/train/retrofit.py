@@ -128,7 +128,7 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=0.0)
     job = loop.Job("retrofit", step=partial(_train_step, model, trainable, optimizer, runtime),
                    snapshot=lambda: {"routers": adapter_state(model), "optimizer": optimizer.state_dict()},
-                   restore=partial(_restore, model, optimizer), model_configs=composed_configs(model))
+                   restore=partial(_restore, model, optimizer), identity={"model": composed_configs(model)})
     model.eval()
     set_focus_mode(model, "train")
     for layer in focus_layers(model):

@@ -342,10 +342,24 @@ def test_resume_refuses_settings_that_change_the_run(tmp_path, change, message):
 def test_resume_refuses_a_model_composed_otherwise(tmp_path):
     settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2)
     finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings, progress=False)
-    with pytest.raises(ValueError, match="model: expected a model composed as the one .*checkpoint.pt trained "
-                                         "\\(.*'topk': 4.*got .*'topk': 8"):
+    with pytest.raises(ValueError, match="model: expected \\{.*'topk': 4.*\\}, what .*checkpoint.pt was trained "
+                                         "with, got .*'topk': 8"):
         finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=8)), _windows(), tmp_path,
                  FinetuneSettings(**{**settings.__dict__, "steps": 2}), resume=True, progress=False)
+
+
+def test_resume_refuses_another_teacher(tmp_path):
+    """A distillation resumes with the same teacher weights (a fresh copy of them is fine), not with others."""
+    settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2, distill_weight=1.0)
+    finetune(tiny_model("llama"), _windows(), tmp_path, settings, teacher=tiny_model("llama", seed=3),
+             progress=False)
+    longer = FinetuneSettings(**{**settings.__dict__, "steps": 2})
+    finetune(tiny_model("llama"), _windows(), tmp_path, longer, teacher=tiny_model("llama", seed=3), resume=True,
+             progress=False)
+    with pytest.raises(ValueError, match="teacher: expected 'sha256:[0-9a-f]{16}', what .*checkpoint.pt was trained "
+                                         "with, got 'sha256:[0-9a-f]{16}'"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(**{**settings.__dict__, "steps": 3}),
+                 teacher=tiny_model("llama", seed=4), resume=True, progress=False)
 
 
 def test_resume_refuses_other_windows(tmp_path):
