@@ -127,13 +127,15 @@ class SFALayer(nn.Module):
     def map_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, T, D] in the feature basis of each query head's KV head (q itself without a feature map);
         with importance selection, reduced to its top-k coordinates by the query weights of its KV head."""
-        if self.feature_map is not None:
-            grouped = _by_kv_head(q, self.feature_map.shape[0])
-            q = torch.matmul(grouped, self.feature_map.to(q.dtype)[:, None]).flatten(1, 2)
-        if self.selection_weights is None:
+        if self.feature_map is None and self.selection_weights is None:
             return q
-        weights = self.selection_weights[0].repeat_interleave(q.shape[1] // self.selection_weights.shape[1], 0)
-        return select(q, self.topk, weights[:, None, :])
+        kv_heads = (self.feature_map if self.feature_map is not None else self.selection_weights[0]).shape[0]
+        grouped = _by_kv_head(q, kv_heads)  # [B, Hkv, G, T, D]: each KV head's map and weights broadcast over G
+        if self.feature_map is not None:
+            grouped = torch.matmul(grouped, self.feature_map.to(q.dtype)[:, None])
+        if self.selection_weights is not None:
+            grouped = select(grouped, self.topk, self.selection_weights[0, :, None, None, :])
+        return grouped.flatten(1, 2)
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None, focus=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] with SFA scores; with ``focus`` (the layer's

@@ -1,6 +1,8 @@
-"""Atomic training checkpoints: a crash mid-write leaves the previous checkpoint intact."""
+"""Atomic training checkpoints (a crash mid-write leaves the previous checkpoint intact), and the digests they record
+of what a resumed run must share."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -22,3 +24,12 @@ def load_checkpoint(path) -> dict | None:
     """
     path = Path(path)
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True) if path.is_file() else None
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """"sha256:HEX" (16 hex digits) of named tensors: their names, shapes, dtypes and bytes, in order."""
+    digest = hashlib.sha256()
+    for name, tensor in tensors.items():
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return f"sha256:{digest.hexdigest()[:16]}"

@@ -10,7 +10,6 @@ sweep in docs/results.md.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,6 +21,7 @@ from .._checks import check_int, check_tensors_fit, fail
 from .._files import atomic_write
 from ..integrations.transformers import LAYER_ATTR, SFA_ATTR, composed_configs, head_dim, sfa_layers
 from . import distributed, loop
+from .checkpoint import tensors_digest
 
 WEIGHTS = "model.safetensors"
 # Every trained tensor (SFA feature maps included) after the best validation of a validated fine-tune, by step:
@@ -95,13 +95,7 @@ def fixed_tensors(model) -> dict[str, torch.Tensor]:
 def teacher_digest(teacher) -> str | None:
     """"sha256:HEX" of a teacher's state dict (names, shapes, dtypes and bytes, in order), which a resumed
     distillation must share; None without a teacher."""
-    if teacher is None:
-        return None
-    digest = hashlib.sha256()
-    for name, tensor in teacher.state_dict().items():
-        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return f"sha256:{digest.hexdigest()[:16]}"
+    return None if teacher is None else tensors_digest(teacher.state_dict())
 
 
 def own_weights(params: dict) -> dict:

@@ -6,7 +6,6 @@ What differs between the two (what is trained, one optimizer step, what a checkp
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._checks import check_int, check_positive_float, fail
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint, tensors_digest
 from .schedule import lr_at
 
 CHECKPOINT = "checkpoint.pt"
@@ -189,8 +188,7 @@ RESUMABLE_CHANGES = ("steps", "checkpoint_every", "validate_every", "micro_batch
 
 def windows_digest(windows: torch.Tensor) -> str:
     """"N x T sha256:HEX" of token windows [N, T]: what a checkpoint records of the text it trains on."""
-    data = windows.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-    return f"{windows.shape[0]} x {windows.shape[1]} sha256:{hashlib.sha256(data).hexdigest()[:16]}"
+    return f"{windows.shape[0]} x {windows.shape[1]} {tensors_digest({'windows': windows.long()})}"
 
 
 def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list, list, list]:
@@ -202,10 +200,10 @@ def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list,
     state = load_checkpoint(path)
     if state is None:
         return 0, [], [], []
+    identity = state.get("identity", {})
     for name, value in job.identity.items():
-        saved = state.get("identity", {})
-        if name in saved and saved[name] != value:
-            fail(name, f"{saved[name]!r}, what {path} was trained with", repr(value))
+        if name in identity and identity[name] != value:
+            fail(name, f"{identity[name]!r}, what {path} was trained with", repr(value))
     if state.get("windows", trained_on) != trained_on:
         fail("windows", f"the token windows {path} trained on ({state['windows']}: the same text, context and "
                         f"number of windows; the sieve commands take --steps x --batch-size of them)", trained_on)
