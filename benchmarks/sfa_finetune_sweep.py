@@ -33,7 +33,8 @@ def _sfa(topk: int, weight: float, basis: str, warmup: int = 0) -> list[str]:
 
 # Names without "pca" keep q and k in their own coordinates (--feature-map none), as every run before the feature
 # maps did; "pca" runs start from the calibrated principal axes (the default of `sieve finetune`); "imp" runs rank
-# the coordinates by importance (--selection importance), the others by magnitude (the default).
+# the coordinates by importance (--selection importance), the others by magnitude (--selection magnitude, passed
+# explicitly since `sieve finetune` defaults to importance, so the older names keep their meaning).
 BASES = ("", "pca-", "pca-imp-")
 CONFIGS = {
     "dense": ["--method", "dense"],

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = sub.add_parser(
         "finetune", help="convert a dense model to SFA by fine-tuning it (or fine-tune it dense: the baseline)",
-        description="--method sfa composes SFA (q and k keep their --topk largest-|x| coordinates, after RoPE) and "
+        description="--method sfa composes SFA (q and k keep --topk coordinates after RoPE, chosen by --selection) and "
                     "fine-tunes every weight with the LM loss plus --matching-weight times the output-matching term "
                     "(the mean squared difference between each layer's SFA output and its stop-gradient dense "
                     "output), and with --teacher --distill-weight times the KL divergence from a frozen teacher's "
@@ -143,13 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SFA: pca (default): each layer maps q and k, after RoPE, into the principal axes of its "
                            "dense q and k before the top-k (an orthogonal map per KV head, computed from "
                            "--calibration-windows training windows, then trained with the model), so the top-k keeps "
-                           "more of each score; none: the top-k of q and k as they are (the paper's GPT-2 form)")
-    tune.add_argument("--selection", choices=SFA_SELECTIONS, default="magnitude",
-                      help="SFA: how each vector's top-k coordinates are chosen, after the map: magnitude (default; "
-                           "the paper: largest |x|) or importance (largest |x| times the root mean square of the "
-                           "other side along that coordinate, the keys' for a query and the queries' for a key, "
-                           "calibrated from --calibration-windows training windows with the maps and kept fixed "
-                           "while training)")
+                           "more of each score; none: the top-k of q and k as they are (with --selection "
+                           "magnitude, the paper's GPT-2 form)")
+    tune.add_argument("--selection", choices=SFA_SELECTIONS, default="importance",
+                      help="SFA: how each vector's top-k coordinates are chosen, after the map: importance (default; "
+                           "largest |x| times the root mean square of the other side along that coordinate, the "
+                           "keys' for a query and the queries' for a key, calibrated from --calibration-windows "
+                           "training windows with the maps and kept fixed while training; measured better than "
+                           "magnitude in distilled conversions of SmolLM2-135M at k=16 and k=8: docs/decisions.md, "
+                           "decision 11) or magnitude (the paper: largest |x|). SFAConfig keeps magnitude as its "
+                           "default: its importance weights are all 1, which ranks as magnitude does, until "
+                           "calibrate_feature_maps sets them, as this command always does")
     tune.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
                       help="no (default): train in float32; bf16: the training forwards under autocast to bfloat16 "
                            "(matrix products and attention in bfloat16, weights and optimizer state in float32; "

@@ -15,7 +15,8 @@ def test_help_explains_finetune(capsys):
     assert "--matching-weight" in text and "early stopping" in text and "--validation-windows" in text
     assert "--feature-map" in text and "principal axes" in text and "--calibration-windows" in text
     assert "--mixed-precision" in text and "autocast to bfloat16" in text
-    assert "--selection" in text and "importance (largest |x| times the root mean square" in text
+    assert "--selection" in text and "importance (default; largest |x| times the root mean square" in text
+    assert "SFAConfig keeps magnitude as its default: its importance weights are all 1" in text
     assert "--teacher" in text and "KL(teacher || model)" in text
     # Several processes: the split of each batch, and who evaluates and writes.
     assert "`accelerate launch`" in text and "--batch-size must be a multiple of the number of processes" in text
@@ -70,6 +71,7 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
                  "--out", str(tmp_path / "sfa")]) == 0
     record = json.loads((tmp_path / "sfa" / "result.json").read_text())
     assert record["teacher"] == str(teacher) and record["settings"]["distill_weight"] == 2.0
+    assert record["selection"] == "importance"  # the default
     assert all(row[3] > 0 for row in record["history"])  # the KL term of every step
     with pytest.raises(ValueError, match="--teacher: expected the"):
         main(["finetune", *common, "--teacher", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),

@@ -22,10 +22,15 @@ if triton is not None:
 
 def merge_partials(base: Optional[tuple[torch.Tensor, torch.Tensor]], out_rows: torch.Tensor,
                    lse_rows: torch.Tensor, index: torch.Tensor, count: int,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype = torch.float32,
+                   subtracted: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges partials by row: partial e (out_rows [E, H, D], lse_rows [E, H]) belongs to row ``index[e]`` (int64
     [E], values in [0, N), N = ``count``; a row may own several or none). ``base`` = (out [N, H, D], lse [N, H]) holds
     one more partial for each row, or is None.
+
+    ``subtracted`` (bool [E], optional) marks partials whose key sets are to be taken away rather than added
+    (inclusion-exclusion): each must lie inside the union of its row's other sets, which then count those keys
+    twice. Their weights enter the sums negatively, so the result is over the union once.
 
     Returns (out [N, H, D], lse [N, H]), computed and returned in ``dtype`` (float32, or float64 for float64 inputs).
     A fully masked row (all its partials have lse -inf, or it has none) gets out 0 and lse -inf, without NaN in the
@@ -42,6 +47,8 @@ def merge_partials(base: Optional[tuple[torch.Tensor, torch.Tensor]], out_rows: 
         top = base_lse.scatter_reduce(0, spread, lse_rows, "amax")
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
     weight = torch.exp(lse_rows - top[index])
+    if subtracted is not None:
+        weight = torch.where(subtracted[:, None], -weight, weight)
     if base is None:
         total = top.new_zeros(count, heads).index_add_(0, index, weight)
         out = out_rows.new_zeros(count, heads, out_rows.shape[2])
@@ -50,7 +57,8 @@ def merge_partials(base: Optional[tuple[torch.Tensor, torch.Tensor]], out_rows: 
         total = base_weight.index_add(0, index, weight)  # out of place: exp's backward needs base_weight
         out = base_weight[..., None] * base_out
     out = out.index_add_(0, index, weight[..., None] * out_rows)
-    # total is 0 (no finite partial) or >= 1 (the largest partial has weight 1).
+    # total is 0 (no finite partial) or >= 1 (the largest partial has weight 1; a subtracted set takes away only
+    # keys counted twice).
     filled = total > 0
     safe_total = torch.where(filled, total, 1.0)
     out = torch.where(filled[..., None], out / safe_total[..., None], 0.0)

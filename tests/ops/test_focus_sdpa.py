@@ -104,7 +104,15 @@ CASES = {
     "mqa-top1-ids-past-63-bf16": (1, 4, 1, 77, 32, 5, 1, 9, True, None, BF16),
     "gqa-top1-bf16": (1, 6, 2, 70, 32, 4, 1, 7, True, None, BF16),
     "gqa-top1-ids-past-31-bf16": (1, 6, 2, 70, 32, 4, 1, 7, True, None, BF16),
+    # at most two groups per token, causal: inclusion-exclusion (the pairs of tokens in the same two groups taken
+    # away); two groups only: every two-group token is in one class, the worst case of its rounding
+    "gqa-top2-pairs-bf16": (2, 4, 2, 97, 32, 8, 2, 7, True, None, BF16),
+    "mqa-top2-pairs-three-groups": (1, 3, 1, 64, 16, 3, 2, 5, True, None, F32),
+    "top2-pairs-window0-bf16": (1, 2, 2, 61, 64, 4, 2, 0, True, None, BF16),
+    "top2-one-pair-class-bf16": (1, 2, 1, 80, 32, 2, 2, 6, True, None, BF16),
 }
+# No sink token in every group: at most two memberships per token
+NO_SINK = {"gqa-top2-pairs-bf16", "mqa-top2-pairs-three-groups", "top2-pairs-window0-bf16", "top2-one-pair-class-bf16"}
 # Group ids id * spread + offset: every third group empty; ids past 62 (no bit sets, the id-list path)
 SPREAD = {"gqa-top1-noncausal-empty-groups": 3}
 # ids 32..35: 64-bit bit sets in the Triton kernels (ids < 31 take 32 bits)
@@ -113,7 +121,63 @@ OFFSET = {"top3-noncausal-ids-past-63": 60, "mqa-top1-ids-past-63-bf16": 70, "gq
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference_forward_and_backward(case):
-    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
+    check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0),
+                            sink=case not in NO_SINK)
+
+
+@pytest.mark.parametrize("case", sorted(NO_SINK))
+def test_two_groups_per_token_take_inclusion_exclusion_without_masks(case, monkeypatch):
+    """The group set of at most two memberships per token, causal, is two causal calls: no masked call runs in
+    the forward (the window set's, without the window kernel, excepted), and the pairs' layout holds the
+    two-group tokens."""
+    plans, window_calls = [], []
+
+    def no_masked_group_call(*args):
+        raise AssertionError("a masked same-group call ran")
+
+    real_init, real_window = decomposed._Plan.__init__, decomposed._Plan._window_forward
+
+    def init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        plans.append(self)
+
+    def window_forward(self, *args):
+        window_calls.append(1)
+        return real_window(self, *args)
+
+    monkeypatch.setattr(decomposed._Plan, "__init__", init)
+    monkeypatch.setattr(decomposed._Plan, "_window_forward", window_forward)
+    monkeypatch.setattr(decomposed._Plan, "_group_calls", no_masked_group_call)
+    batch, hq, hkv, length, dim, num_groups, slots, window, causal, _, dtype = CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, h, length, dim, generator=gen).to(DEVICE, dtype) for h in (hq, hkv, hkv))
+    groups = make_groups(batch, length, num_groups, slots, seed=1, sink=False)
+    with torch.no_grad():
+        focus_attention(q, k, v, groups, window=window, backend="sdpa")
+    (plan,) = plans
+    two = (groups >= 0).all(-1).flatten()
+    assert plan.subtracts and plan.pairs.member_token.sort().values.tolist() == two.nonzero().flatten().tolist()
+    assert len(window_calls) == (window > 0)
+
+
+def test_half_copies_are_exact_and_in_range():
+    """bfloat16 q, k, v scaled by powers of two into float16: every value down to 2^-28 of its tensor's largest
+    comes back exactly, the largest lies in [2^13, 2^14), the logit scale compensates, a zero tensor stays."""
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(2, 3, 40, 16, generator=gen) * 3e3).bfloat16()
+    k = (torch.randn(2, 1, 40, 16, generator=gen) * torch.logspace(-9, 0, 16)).bfloat16()
+    v = torch.zeros(2, 1, 40, 16, dtype=torch.bfloat16)
+    calls = decomposed.HalfCopies.of(q, k, v)
+    q16, k16, v16, scale = calls.inputs(q, k, v, 0.25)
+    for original, copy, exponent in zip((q, k, v), (q16, k16, v16), calls.exponents):
+        assert copy.dtype == torch.float16
+        back = copy.double() * 2.0 ** -exponent
+        big = original.double().abs() >= original.double().abs().max() * 2.0 ** -28
+        assert torch.equal(back[big], original.double()[big])
+    for copy in (q16, k16):
+        assert 2 ** 13 <= copy.abs().max().item() < 2 ** 14
+    assert calls.exponents[2] == 0 and calls.value_unit == 1.0
+    assert scale == 0.25 * 2.0 ** -(calls.exponents[0] + calls.exponents[1])
 
 
 @pytest.mark.parametrize("case", ["gqa-top2-sink", "mqa-top2-noncausal", "long-groups-bf16",

@@ -162,8 +162,8 @@ def test_explicit_triton_refuses_what_it_cannot_compute():
 
 def test_auto_takes_the_batched_group_call_for_long_groups_on_cuda():
     """A CUDA stand-in (the dispatch reads shapes, devices and dtypes only): one group per token, causal, and at least
-    GROUP_CALL_FROM tokens per group go to the decomposition; shorter groups, top-2, non-causal calls and softcap
-    stay with the Triton kernels."""
+    GROUP_CALL_FROM tokens per group go to the decomposition, and with two groups per token at least PAIRS_CALL_FROM;
+    shorter groups, three groups per token, non-causal calls and softcap stay with the Triton kernels."""
     def stand_in(length):
         return SimpleNamespace(shape=(1, 8, length, 128), device=torch.device("cuda"), dtype=torch.bfloat16)
 
@@ -175,7 +175,11 @@ def test_auto_takes_the_batched_group_call_for_long_groups_on_cuda():
     name, why = pick(long)
     assert name == "sdpa" and "GROUP_CALL_FROM" in why
     assert pick(long - 8)[0] == "triton"  # one token short of the threshold in each group
-    assert pick(long, memberships=2)[0] == "triton"
+    pairs_long = attention.PAIRS_CALL_FROM * 8
+    name, why = pick(pairs_long, memberships=2)
+    assert name == "sdpa" and "PAIRS_CALL_FROM" in why and "inclusion-exclusion" in why
+    assert pick(pairs_long - 8, memberships=2)[0] == "triton"
+    assert pick(pairs_long, memberships=3)[0] == "triton"
     assert pick(long, causal=False)[0] == "triton"
     assert pick(long, softcap=30.0)[0] == "triton"
 

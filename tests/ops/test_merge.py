@@ -97,3 +97,28 @@ def test_new_result_takes_the_partials_dtype(variant):
     args = _partials(1, 2, 8, 16, 2, 4, torch.bfloat16, seed=5, token_major=True)
     got_out, got_lse = _run(variant, *args)
     assert got_out.dtype == torch.bfloat16 and got_out.is_contiguous() and got_lse.dtype == torch.float32
+
+
+def test_merge_partials_subtracts_sets_counted_twice():
+    """Keys split into A and B overlapping in C: the partials of A and B merged with C's subtracted equal the
+    softmax over A | B computed directly, in float64; a row whose keys are all in C keeps them."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(5, 2, 12, generator=gen, dtype=torch.float64)
+    values = torch.randn(5, 2, 12, 4, generator=gen, dtype=torch.float64)
+    in_a = torch.zeros(5, 12, dtype=torch.bool)
+    in_b = torch.zeros(5, 12, dtype=torch.bool)
+    in_a[:, :8], in_b[:, 5:] = True, True
+    in_a[4], in_b[4] = True, True  # row 4: A = B = C, every key
+    both = in_a & in_b
+
+    def partial(keys):
+        s = scores.masked_fill(~keys[:, None], float("-inf"))
+        return torch.einsum("nhk,nhkd->nhd", torch.softmax(s, -1), values), torch.logsumexp(s, -1)
+
+    (out_a, lse_a), (out_b, lse_b), (out_c, lse_c) = partial(in_a), partial(in_b), partial(both)
+    index = torch.arange(5).repeat(3)
+    subtracted = torch.arange(15) >= 10
+    out, lse = merge.merge_partials(None, torch.cat([out_a, out_b, out_c]), torch.cat([lse_a, lse_b, lse_c]), index,
+                                    5, torch.float64, subtracted)
+    want_out, want_lse = partial(in_a | in_b)
+    assert torch.allclose(out, want_out, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)

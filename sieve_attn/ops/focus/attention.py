@@ -6,18 +6,21 @@ Backends of the hard pattern (:func:`focus_attention`):
 - ``"triton"``: the pair-set kernels (:mod:`.triton_prefill`) for Tq == Tk, the decode kernel (:mod:`.decode`) for a
   few new queries against a cache; forward and backward.
 - ``"sdpa"``: the decomposition (:mod:`.decomposed`): tokens sorted by group, one batched causal SDPA-family call
-  (cuDNN first) for the same-group pairs, masked calls with several memberships; the cross-group window pairs by
-  the Triton window kernel on CUDA (masked calls elsewhere); merged by log-sum-exp. Tq == Tk, no softcap or
-  attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token from 4K tokens per
-  group (H200, top-1, x cuDNN, v8: 64K K=8 4.86x against the Triton kernels' 3.82x, 1M K=8 8.76x against 6.40x,
-  1M K=16 17.46x against 12.48x, in one run; with the window partial in bf16, 64K K=8 5.09x, 1M 9.16x); slower
-  with shorter groups and with several memberships (top-2: 0.03-0.11x).
+  (cuDNN first) for the same-group pairs; with two groups per token (causal) a second batched call over the tokens
+  of each pair of groups, whose pairs the first counted twice, subtracted in the merge (inclusion-exclusion; the
+  backward by the Triton kernels on CUDA); masked calls with more memberships or not causal; the cross-group
+  window pairs by the Triton window kernel on CUDA (masked calls elsewhere); merged by log-sum-exp. Tq == Tk, no
+  softcap or attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token from
+  4K tokens per group (H200, top-1, x cuDNN, v8: 64K K=8 4.86x against the Triton kernels' 3.82x, 1M K=8 8.76x
+  against 6.40x, 1M K=16 17.46x against 12.48x, in one run; with the window partial in bf16, 64K K=8 5.09x, 1M
+  9.16x), and for two from 16K (v10, forward: 256K K=8 1.62x against 1.23x, K=16 2.75x against 2.34x, 1M K=8
+  1.66x against 1.29x; at 64K slower: K=8 0.80x against 0.87x); slower with shorter groups.
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
 ``"auto"`` on CUDA takes ``"dense"`` below ``DENSE_BELOW`` keys, ``"sdpa"`` for causal prefill with one group per
-token and at least ``GROUP_CALL_FROM`` tokens per group, and the Triton kernels otherwise (decoding included); the
-reference elsewhere. It never takes ``"flex"``, which serves only when asked for. :func:`focus_backend` says which
+token and at least ``GROUP_CALL_FROM`` tokens per group (two groups: ``PAIRS_CALL_FROM``), and the Triton kernels
+otherwise (decoding included); the reference elsewhere. It never takes ``"flex"``, which serves only when asked for. :func:`focus_backend` says which
 backend a call would use and why.
 """
 from __future__ import annotations
@@ -46,6 +49,10 @@ DENSE_BELOW = 8192
 # 0.94x; 4K 4.91 vs 4.67x, 4.65 vs 4.46x; 8K 3.79 vs 3.25x, 3.74 vs 3.23x; 16K 15.18 vs 11.85x; 32K 8.81 vs 6.49x;
 # 64K 19.15 vs 13.48x; 128K 9.27 vs 6.86x.
 GROUP_CALL_FROM = 4096
+# The same for two groups per token (inclusion-exclusion: two batched cuDNN calls, the Triton backward). H200, v10
+# (forward, x cuDNN, sdpa vs triton): 4K per group (64K, K=16) 1.00 vs 1.50x; 8K (64K, K=8) 0.80 vs 0.87x; 16K
+# (256K, K=16) 2.75 vs 2.34x; 32K (256K, K=8) 1.62 vs 1.23x.
+PAIRS_CALL_FROM = 16384
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")
@@ -186,10 +193,15 @@ def _resolve(q, k, num_groups, memberships, *, causal, softcap, attn_mask, backe
     if q.device.type != "cuda":
         return "reference", "not on a CUDA device"
     group_length = k.shape[2] // max(num_groups, 1)
-    if (q.shape[2] == k.shape[2] and causal and memberships == 1 and group_length >= GROUP_CALL_FROM
+    if memberships == 1:
+        threshold, name, calls = GROUP_CALL_FROM, "GROUP_CALL_FROM", "one batched cuDNN call for the groups"
+    else:  # beyond two groups per token the decomposition takes masked calls: never the faster
+        threshold, name, calls = (PAIRS_CALL_FROM if memberships == 2 else None), "PAIRS_CALL_FROM", (
+            "two batched cuDNN calls for the groups (inclusion-exclusion) and the Triton backward")
+    if (threshold is not None and q.shape[2] == k.shape[2] and causal and group_length >= threshold
             and sdpa_blocker(q, k, softcap, attn_mask) is None):
-        return "sdpa", (f"one group per token, {group_length} tokens per group >= GROUP_CALL_FROM="
-                        f"{GROUP_CALL_FROM}: one batched cuDNN call for the groups is faster")
+        return "sdpa", (f"{memberships} group(s) per token, {group_length} tokens per group >= {name}={threshold}: "
+                        f"{calls} are faster")
     return "triton", "decode step" if q.shape[2] < k.shape[2] else f"{k.shape[2]} keys >= DENSE_BELOW"
 
 

@@ -7,8 +7,19 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
   - Causal with one membership per token: ONE batched causal call over all segments (cuDNN, else flash, else the
     memory-efficient kernel; the CPU op off CUDA). Padded keys sit after every real query of their segment, so
     causality hides them; padded query rows are dropped.
-  - Several memberships per token (the lowest-shared-group rule), or not causal (padded keys would be seen): masked
-    calls over chunks of query slots (the memory-efficient kernel's additive bias on CUDA, the CPU op's attn_mask).
+  - Causal with at most two memberships per token: inclusion-exclusion, two batched causal calls. The first runs
+    over every copy of every token, so a pair whose tokens share two groups (both tokens in exactly the groups a and
+    b) is counted in both segments; the second runs over the tokens grouped by their pair of groups (segments of the
+    class a * K + b), and its partials are subtracted in the merge (:func:`~sieve_attn.ops.merge.merge_partials`).
+    Exact in exact arithmetic. The rounded partials of a query's three calls enter the merge with weights summing
+    to 1 + 2 d, where d is the query's share of softmax mass on keys of its own pair of groups (up to 1 early in a
+    sequence, where its own key dominates): with bf16 partials that broke the tests' precision rule, so bf16
+    inputs run these calls on float16 copies (:class:`HalfCopies`), 3 more bits per partial. The backward needs
+    no subtraction: the Triton kernels' on CUDA (each pair once, from the final output and log-sum-exp), the
+    masked calls' on the CPU.
+  - Otherwise with several memberships (the lowest-shared-group rule), or not causal (padded keys would be seen):
+    masked calls over chunks of query slots (the memory-efficient kernel's additive bias on CUDA, the CPU op's
+    attn_mask).
 - **Window set**: pairs with 0 <= i - j <= window whose tokens share no group, in position order.
   - On CUDA (ids < 63, a head dim the kernels take): the Triton window kernel of :mod:`.triton_prefill`, one pass
     over the local tiles. The SDPA kernels have no such pattern: as masked calls it cost more than the group set.
@@ -35,6 +46,7 @@ Uneven and empty groups: only non-empty segments exist; padding costs at most S 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -116,7 +128,7 @@ class SortedGroups:
     segment_group: torch.Tensor  # [S] group id of each segment
     slot_token: torch.Tensor     # [S * L] the token (b * T + t) in each slot, -1 for padding
     member_slot: torch.Tensor    # [E] the slot (s * L + r) of each membership
-    token_slot: Optional[torch.Tensor]  # [B * T] the slot of each token, with one membership per token (else None)
+    token_slot: Optional[torch.Tensor]  # [B * T] the slot of each token, with one membership each (else None)
     sequences: int               # B
     tokens: int                  # T
     length: int                  # L
@@ -124,19 +136,22 @@ class SortedGroups:
 
     @classmethod
     def of(cls, ids: torch.Tensor, num_groups: int) -> "SortedGroups":
-        """ids: [B, T, m] int64, -1 = empty slot, every token in at least one group (validated)."""
+        """ids: [B, T, m] int64 in [0, num_groups), -1 = empty slot; a token lists an id at most once. With m == 1
+        every token has a group (validated); with m > 1 a token may have none (it gets no slot)."""
         return cls.start(ids, num_groups).finish()
 
     @classmethod
-    def start(cls, ids: torch.Tensor, num_groups: int) -> "_SortInFlight":
+    def start(cls, ids: torch.Tensor, num_groups: int, partial: bool = False) -> "_SortInFlight":
         """:meth:`of` in two halves: this one queues the device work and the read of the two sizes that shape the
         layout (the longest segment and the number of segments); :meth:`_SortInFlight.finish` waits for that read.
         Work queued in between runs on the device while the host waits, and with one slot per token the host
-        waits for nothing else (the nonzero of several slots reads the device once more)."""
+        waits for nothing else (the nonzero of several slots reads the device once more). ``partial``: with one slot,
+        some tokens may have no group (-1); nonzero finds the others."""
         batch, length, slots = ids.shape
         flat = ids.reshape(-1)
-        # one slot per token: every entry is a membership (validated), so nonzero and its host read are not needed
-        entry = torch.nonzero(flat >= 0).squeeze(1) if slots > 1 else torch.arange(flat.numel(), device=ids.device)
+        # one slot per token, all filled: every entry is a membership, so nonzero and its host read are not needed
+        entry = (torch.nonzero(flat >= 0).squeeze(1) if slots > 1 or partial
+                 else torch.arange(flat.numel(), device=ids.device))
         token = entry // slots
         group = flat[entry]
         # The keys are distinct, so the order is the stable one: members of a group stay in position order.
@@ -151,9 +166,11 @@ class SortedGroups:
         first = torch.cumsum(members, 0) - members  # of each segment; the entries past the S-th are unused
         rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
         segment_group = torch.zeros_like(segment).scatter_(0, segment, group)
+        # nonzero has read the entry count already; none (possible with m > 1) means no segments
+        sizes = torch.stack([members.max(), segment[-1] + 1]) if entry.numel() else torch.zeros(2, dtype=torch.long)
         return _SortInFlight(token, segment, rank, members, segment_group, batch, length,
-                             multi=entry.numel() > batch * length,
-                             sizes=_read_later(torch.stack([members.max(), segment[-1] + 1])))
+                             multi=entry.numel() > batch * length, one_each=entry.numel() == batch * length,
+                             sizes=_read_later(sizes))
 
     @property
     def num_segments(self) -> int:
@@ -167,12 +184,12 @@ class SortedGroups:
         """[S, H, L, *rest] -> [E, H, *rest]: the rows of the memberships."""
         return _rows_of(y, self.member_slot, self.member_slot.numel(), 1).squeeze(2)
 
-    def to_tokens(self, y: torch.Tensor) -> torch.Tensor:
+    def to_tokens(self, y: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """[S, H, L, *rest] -> [B, H, T, *rest]: each token's rows summed over its copies (with one membership per
-        token, its one row)."""
+        token, its one row; 0 for a token with none), in ``dtype`` (default y's)."""
         if self.token_slot is not None:
-            return _rows_of(y, self.token_slot, self.sequences, self.tokens)
-        rows = self.rows(y)
+            return _rows_of(y, self.token_slot, self.sequences, self.tokens).to(dtype or y.dtype)
+        rows = self.rows(y).to(dtype or y.dtype)
         total = rows.new_zeros(self.sequences * self.tokens, *rows.shape[1:]).index_add_(0, self.member_token, rows)
         return total.unflatten(0, (self.sequences, self.tokens)).transpose(1, 2)
 
@@ -209,7 +226,8 @@ class _SortInFlight:
     segment_group: torch.Tensor  # [E] the group of segment s at s < S
     sequences: int
     tokens: int
-    multi: bool
+    multi: bool                  # some token has several memberships
+    one_each: bool               # every token has exactly one
     sizes: object                # () -> [longest, number of segments]
 
     def finish(self) -> SortedGroups:
@@ -219,11 +237,18 @@ class _SortInFlight:
         slot_token = torch.full((num_segments * longest,), -1, dtype=torch.long, device=device)
         slot_token[member_slot] = self.token
         token_slot = None
-        if not self.multi:
+        if self.one_each:
             token_slot = torch.empty(self.sequences * self.tokens, dtype=torch.long, device=device)
             token_slot[self.token] = member_slot
         return SortedGroups(self.token, self.members[:num_segments], self.segment_group[:num_segments], slot_token,
                             member_slot, token_slot, self.sequences, self.tokens, length=longest, multi=self.multi)
+
+
+def _pair_classes(ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[B, T, 1] int64 of [B, T, 2] ids: a * K + b for a token in the groups a < b (K = num_groups), -1 for a token
+    in one group."""
+    low, high = ids.min(-1).values, ids.max(-1).values  # an empty slot (-1) is the minimum
+    return torch.where(low >= 0, low * num_groups + high, -1)[..., None]
 
 
 def _rows_of(x: torch.Tensor, index: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
@@ -231,6 +256,33 @@ def _rows_of(x: torch.Tensor, index: torch.Tensor, outer: int, inner: int) -> to
     if x.dim() == 3:
         return gather_rows(x[..., None], index, outer, inner)[..., 0]
     return gather_rows(x, index, outer, inner)
+
+
+@dataclass(frozen=True)
+class HalfCopies:
+    """The fused calls of bfloat16 q, k, v on float16 copies scaled by powers of two: q by 2^a, k by 2^b, v by 2^c,
+    the logit scale by 2^-(a+b), so that each copy's largest magnitude lies in [2^13, 2^14) (float16 ends at 65504).
+    The logits are unchanged and the outputs are 2^c times the true ones. A bfloat16 value down to 2^-28 of its
+    tensor's largest is exact in float16 (smaller ones round to float16's subnormals, an error below 2^-38 of that
+    largest), and float16 outputs carry 11 significant bits to bfloat16's 8."""
+
+    exponents: tuple[int, int, int]  # a, b, c
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "HalfCopies":
+        """Reads the three largest magnitudes (one host read)."""
+        largest = torch.stack([t.abs().amax().float() for t in (q, k, v)]).tolist()
+        return cls(tuple(14 - math.frexp(m)[1] if 0 < m < math.inf else 0 for m in largest))
+
+    def inputs(self, q, k, v, scale: float):
+        """(q', k', v', scale') of the calls."""
+        copies = [torch.mul(t, 2.0 ** e).to(torch.float16) for t, e in zip((q, k, v), self.exponents)]
+        return (*copies, scale * 2.0 ** -(self.exponents[0] + self.exponents[1]))
+
+    @property
+    def value_unit(self) -> float:
+        """What turns a call's output into the true one: 2^-c."""
+        return 2.0 ** -self.exponents[2]
 
 
 class _TokenSets:
@@ -353,6 +405,17 @@ class _Plan:
         self._sorting = SortedGroups.start(groups.ids, groups.num_groups)
         self._sorted = None
         self.multi = self._sorting.multi
+        self.groups = groups
+        # Inclusion-exclusion (module docstring) while the class keys a * K + b of the sort fit in int64, where the
+        # backward has an exact path that needs no forward state (the Triton kernels on CUDA, the CPU op's masks),
+        # and not for float16 inputs: no wider 16-bit type holds their partials (bf16 ones go to float16).
+        classes = groups.num_groups ** 2
+        self.subtracts = (causal and self.multi and groups.ids.shape[2] == 2 and q.dtype != torch.float16
+                          and classes * self.batch * self.length < 2 ** 62
+                          and (q.device.type == "cpu" or window_kernel_serves(q, groups)))
+        self._pair_sorting = (SortedGroups.start(_pair_classes(groups.ids, groups.num_groups), classes, partial=True)
+                              if self.subtracts else None)
+        self._pairs = None
         self.sets = _TokenSets(groups)
         self.window, self.causal, self.scale = window, causal, scale
         # window 0: the window set is empty (a token always shares a group with itself)
@@ -362,7 +425,8 @@ class _Plan:
             from .triton_prefill import WindowSet  # it imports this module
             self.window_kernel = WindowSet(groups.bits, groups.num_groups, self.batch, self.length, k.shape[1],
                                            window, causal, scale, None, q.device)
-        self.fast = causal and not self.multi
+        # the group set as causal calls (one per layout), not masked ones
+        self.fast = causal and (not self.multi or self.subtracts)
         self.masked = masked_family(q.device)
         self.causal_family = None
         self.saved: dict = {}
@@ -372,6 +436,14 @@ class _Plan:
         if self._sorted is None:
             self._sorted, self._sorting = self._sorting.finish(), None
         return self._sorted
+
+    @property
+    def pairs(self) -> Optional[SortedGroups]:
+        """The tokens in two groups, sorted by (sequence, pair of groups, position), when the group set is
+        inclusion-exclusion and some token is in two groups; else None."""
+        if self._pair_sorting is not None:
+            self._pairs, self._pair_sorting = self._pair_sorting.finish(), None
+        return self._pairs if self._pairs is not None and self._pairs.num_segments else None
 
     # ------------------------------------------------------------------------------------------------ both sets
 
@@ -388,15 +460,38 @@ class _Plan:
             window_out, window_lse = self.window_kernel.forward(q, k, v, dtype=q.dtype)
             out_s, lse_s = self._group_forward(q, k, v)
             return merge_indexed(window_out, window_lse, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
-        out_s, lse_s = self._group_forward(q, k, v)
+        subtracted, unit = None, 1.0
+        if self.pairs is not None:
+            # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on
+            # float16 copies, whose outputs carry 3 more bits (HalfCopies).
+            calls = HalfCopies.of(q, k, v) if q.dtype == torch.bfloat16 else None
+            call_q, call_k, call_v, scale = calls.inputs(q, k, v, self.scale) if calls else (q, k, v, self.scale)
+            unit = calls.value_unit if calls else 1.0
+            out_s, lse_s = self._group_forward(call_q, call_k, call_v, scale)
+            out_p, lse_p = self._pair_forward(call_q, call_k, call_v, scale)
+            outs = [self.sorted.rows(out_s), self.pairs.rows(out_p)]
+            lses = [self.sorted.rows(lse_s), self.pairs.rows(lse_p)]
+            index = [self.sorted.member_token, self.pairs.member_token]
+            subtracted = torch.arange(sum(i.numel() for i in index), device=q.device) >= index[0].numel()
+        else:
+            out_s, lse_s = self._group_forward(q, k, v)
+            outs, lses, index = [self.sorted.rows(out_s)], [self.sorted.rows(lse_s)], [self.sorted.member_token]
         base = self._window_forward(q, k, v) if self.blocks else None
-        out, lse = merge_partials(base, self.sorted.rows(out_s), self.sorted.rows(lse_s), self.sorted.member_token,
-                                  self.batch * self.length, dtype)
+        rows = torch.cat(outs).to(dtype)
+        if unit != 1.0:
+            rows.mul_(unit)  # exact: a power of two
+        out, lse = merge_partials(base, rows, torch.cat(lses), torch.cat(index), self.batch * self.length, dtype,
+                                  subtracted)
         out = out.unflatten(0, (self.batch, self.length)).transpose(1, 2).to(q.dtype).contiguous()
         return out, lse.unflatten(0, (self.batch, self.length)).transpose(1, 2).contiguous()
 
     def backward(self, q, k, v, out, lse, grad_out):
-        """(dq, dk, dv) in the inputs' dtypes, from the final out and lse of :meth:`forward`."""
+        """(dq, dk, dv) in the inputs' dtypes, from the final out and lse of :meth:`forward`. After an
+        inclusion-exclusion forward, each pair once: the Triton kernels' backward on CUDA, masked calls elsewhere."""
+        if self.subtracts and q.device.type == "cuda":
+            from .triton_prefill import backward_of_pattern  # it imports this module
+            return backward_of_pattern(self.groups, q, k, v, out, lse, grad_out, window=self.window,
+                                       causal=self.causal, scale=self.scale)
         grads = self._group_backward(q, k, v, out, lse, grad_out)
         if self.window_kernel is not None:
             grads = self.window_kernel.backward(q, k, v, out, lse, grad_out, grads)
@@ -426,11 +521,12 @@ class _Plan:
             allowed &= ~self.sets.shared(q_tok, k_tok, below=self.sorted.segment_group)
         return allowed[:, None]
 
-    def _group_forward(self, q, k, v):
-        """Partial results of the group set in the sorted layout: (out [S, Hq, L, D], lse [S, Hq, L])."""
+    def _group_forward(self, q, k, v, scale=None):
+        """Partial results of the group set in the sorted layout: (out [S, Hq, L, D], lse [S, Hq, L]); ``scale``
+        of the causal call, default the plan's."""
         q_s, k_s, v_s = (self.sorted.pack(t) for t in (q, k, v))
         if self.fast:
-            self.causal_family, out_s, lse_s, self.saved["group"] = causal_call(q_s, k_s, v_s, self.scale)
+            self.causal_family, out_s, lse_s, self.saved["group"] = causal_call(q_s, k_s, v_s, scale or self.scale)
         else:
             slot_tokens, outs, lses = self.sorted.slot_tokens(), [], []
             for index, r0, r1, keys in self._group_calls():
@@ -446,7 +542,7 @@ class _Plan:
     def _group_backward(self, q, k, v, out, lse, grad_out):
         """The group set's share of (dq, dk, dv), float32 [B, H, T, D] (float64 for float64 inputs)."""
         q_s, k_s, v_s, grad_s, out_s, lse_s = (self.sorted.pack(t) for t in (q, k, v, grad_out, out, lse))
-        if self.fast:
+        if self.fast and not self.subtracts:
             grads = self.causal_family.backward(grad_s, q_s, k_s, v_s, out_s, lse_s, None, self.saved["group"],
                                                 self.scale)
         else:
@@ -456,13 +552,20 @@ class _Plan:
             for index, r0, r1, keys in self._group_calls():
                 dq, dk, dv = self.masked.backward(
                     grad_s[:, :, r0:r1], q_s[:, :, r0:r1], k_s[:, :, :keys], v_s[:, :, :keys], out_s[:, :, r0:r1],
-                    lse_s[:, :, r0:r1], self._group_mask(slot_tokens, r0, r1, keys), self.saved[("group", index)],
-                    self.scale)
+                    lse_s[:, :, r0:r1], self._group_mask(slot_tokens, r0, r1, keys),
+                    self.saved.get(("group", index)), self.scale)  # the CPU op saves nothing
                 dqs.append(dq)
                 dk_s[:, :, :keys] += dk
                 dv_s[:, :, :keys] += dv
             grads = torch.cat(dqs, dim=2), dk_s, dv_s
-        return [self.sorted.to_tokens(g).to(lse.dtype) for g in grads]
+        return [self.sorted.to_tokens(g, lse.dtype) for g in grads]
+
+    def _pair_forward(self, q, k, v, scale):
+        """Partial results of the pairs the group calls count twice, in the layout of :attr:`pairs`: (out [P, Hq,
+        L, D], lse [P, Hq, L]), one batched causal call with ``scale``."""
+        q_p, k_p, v_p = (self.pairs.pack(t) for t in (q, k, v))
+        _, out, lse, _ = causal_call(q_p, k_p, v_p, scale)  # its backward is not needed (:meth:`backward`)
+        return out, lse
 
     # ------------------------------------------------------------------------------------------------ window set
 

@@ -496,3 +496,14 @@ def focus_attention_triton(q, k, v, groups, bits, *, num_groups, window, causal,
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         return PlanAttention.apply(q, k, v, pattern)
 
+
+def backward_of_pattern(groups, q, k, v, out, lse, grad_out, *, window, causal, scale):
+    """(dq, dk, dv) in the inputs' dtypes of hard Focus attention without softcap, from its final ``out`` and
+    ``lse``, whatever computed them (the decomposition's inclusion-exclusion forward): the Triton kernels' backward
+    over both pair sets, each pair once, float32 sums. ``groups``: a
+    :class:`~sieve_attn.ops.focus.groups.FocusGroups` with bit sets; the other arguments as in
+    :func:`focus_attention_triton`."""
+    pattern = _Pattern(groups.ids, groups.bits, groups.num_groups, q.shape[0], q.shape[2], k.shape[1], window,
+                       causal, scale, None, q.device)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return pattern.backward(q, k, v, out, lse, grad_out)
