@@ -20,8 +20,8 @@ Backends of the hard pattern (:func:`focus_attention`):
   H200; not timed), forward only on the CPU.
 ``"auto"`` on CUDA takes ``"dense"`` below ``DENSE_BELOW`` keys, ``"sdpa"`` for causal prefill with one group per
 token and at least ``GROUP_CALL_FROM`` tokens per group (two groups: ``PAIRS_CALL_FROM``), and the Triton kernels
-otherwise (decoding included); the reference elsewhere. It never takes ``"flex"``, which serves only when asked for. :func:`focus_backend` says which
-backend a call would use and why.
+otherwise (decoding included); the reference elsewhere. It never takes ``"flex"``, which serves only when asked
+for. :func:`focus_backend` says which backend a call would use and why.
 """
 from __future__ import annotations
 
@@ -193,11 +193,13 @@ def _resolve(q, k, num_groups, memberships, *, causal, softcap, attn_mask, backe
     if q.device.type != "cuda":
         return "reference", "not on a CUDA device"
     group_length = k.shape[2] // max(num_groups, 1)
-    if memberships == 1:
-        threshold, name, calls = GROUP_CALL_FROM, "GROUP_CALL_FROM", "one batched cuDNN call for the groups"
-    else:  # beyond two groups per token the decomposition takes masked calls: never the faster
-        threshold, name, calls = (PAIRS_CALL_FROM if memberships == 2 else None), "PAIRS_CALL_FROM", (
-            "two batched cuDNN calls for the groups (inclusion-exclusion) and the Triton backward")
+    # (tokens per group from which it wins, its name, what it runs); beyond two groups per token the decomposition
+    # takes masked calls, never the faster
+    threshold, name, calls = {
+        1: (GROUP_CALL_FROM, "GROUP_CALL_FROM", "one batched cuDNN call for the groups"),
+        2: (PAIRS_CALL_FROM, "PAIRS_CALL_FROM",
+            "two batched cuDNN calls for the groups (inclusion-exclusion) and the Triton backward"),
+    }.get(memberships, (None, None, None))
     if (threshold is not None and q.shape[2] == k.shape[2] and causal and group_length >= threshold
             and sdpa_blocker(q, k, softcap, attn_mask) is None):
         return "sdpa", (f"{memberships} group(s) per token, {group_length} tokens per group >= {name}={threshold}: "

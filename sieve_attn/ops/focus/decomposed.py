@@ -458,15 +458,17 @@ class _Plan:
             # combination of two partials rounded once each errs no more than the larger of their roundings (before
             # the result's own rounding).
             window_out, window_lse = self.window_kernel.forward(q, k, v, dtype=q.dtype)
-            out_s, lse_s = self._group_forward(q, k, v)
+            out_s, lse_s = self._group_forward(q, k, v, self.scale)
             return merge_indexed(window_out, window_lse, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
         subtracted, unit = None, 1.0
         if self.pairs is not None:
             # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on
             # float16 copies, whose outputs carry 3 more bits (HalfCopies).
-            calls = HalfCopies.of(q, k, v) if q.dtype == torch.bfloat16 else None
-            call_q, call_k, call_v, scale = calls.inputs(q, k, v, self.scale) if calls else (q, k, v, self.scale)
-            unit = calls.value_unit if calls else 1.0
+            call_q, call_k, call_v, scale = q, k, v, self.scale
+            if q.dtype == torch.bfloat16:
+                calls = HalfCopies.of(q, k, v)
+                call_q, call_k, call_v, scale = calls.inputs(q, k, v, self.scale)
+                unit = calls.value_unit
             out_s, lse_s = self._group_forward(call_q, call_k, call_v, scale)
             out_p, lse_p = self._pair_forward(call_q, call_k, call_v, scale)
             outs = [self.sorted.rows(out_s), self.pairs.rows(out_p)]
@@ -474,7 +476,7 @@ class _Plan:
             index = [self.sorted.member_token, self.pairs.member_token]
             subtracted = torch.arange(sum(i.numel() for i in index), device=q.device) >= index[0].numel()
         else:
-            out_s, lse_s = self._group_forward(q, k, v)
+            out_s, lse_s = self._group_forward(q, k, v, self.scale)
             outs, lses, index = [self.sorted.rows(out_s)], [self.sorted.rows(lse_s)], [self.sorted.member_token]
         base = self._window_forward(q, k, v) if self.blocks else None
         rows = torch.cat(outs).to(dtype)
@@ -521,18 +523,18 @@ class _Plan:
             allowed &= ~self.sets.shared(q_tok, k_tok, below=self.sorted.segment_group)
         return allowed[:, None]
 
-    def _group_forward(self, q, k, v, scale=None):
-        """Partial results of the group set in the sorted layout: (out [S, Hq, L, D], lse [S, Hq, L]); ``scale``
-        of the causal call, default the plan's."""
+    def _group_forward(self, q, k, v, scale: float):
+        """Partial results of the group set in the sorted layout: (out [S, Hq, L, D], lse [S, Hq, L]), the logits
+        scaled by ``scale`` (the plan's, or that of :class:`HalfCopies`)."""
         q_s, k_s, v_s = (self.sorted.pack(t) for t in (q, k, v))
         if self.fast:
-            self.causal_family, out_s, lse_s, self.saved["group"] = causal_call(q_s, k_s, v_s, scale or self.scale)
+            self.causal_family, out_s, lse_s, self.saved["group"] = causal_call(q_s, k_s, v_s, scale)
         else:
             slot_tokens, outs, lses = self.sorted.slot_tokens(), [], []
             for index, r0, r1, keys in self._group_calls():
                 allowed = self._group_mask(slot_tokens, r0, r1, keys)
                 out, lse, self.saved[("group", index)] = self.masked.forward(
-                    q_s[:, :, r0:r1], k_s[:, :, :keys], v_s[:, :, :keys], allowed, self.scale)
+                    q_s[:, :, r0:r1], k_s[:, :, :keys], v_s[:, :, :keys], allowed, scale)
                 out, lse = _clear_empty(out, lse, allowed)
                 outs.append(out)
                 lses.append(lse)

@@ -505,5 +505,4 @@ def backward_of_pattern(groups, q, k, v, out, lse, grad_out, *, window, causal, 
     :func:`focus_attention_triton`."""
     pattern = _Pattern(groups.ids, groups.bits, groups.num_groups, q.shape[0], q.shape[2], k.shape[1], window,
                        causal, scale, None, q.device)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return pattern.backward(q, k, v, out, lse, grad_out)
+    return pattern.backward(q, k, v, out, lse, grad_out)  # it makes its inputs contiguous
