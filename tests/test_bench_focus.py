@@ -77,17 +77,35 @@ def test_gate_passes_the_reference_and_fails_a_shifted_window():
     assert not result.passed and result.worst_ratio is None
 
 
-def test_balanced_groups_are_balanced_and_distinct():
-    groups = balanced_groups(1003, 8, 3, seed=5)
+def test_balanced_groups_adjacent_are_balanced_and_distinct():
+    groups = balanced_groups(1003, 8, 3, seed=5, spread="adjacent")
     assert groups.shape == (1, 1003, 3) and groups.dtype == torch.long
     for slot in range(3):
         counts = torch.bincount(groups[0, :, slot], minlength=8)
         assert int(counts.max() - counts.min()) <= 1
     ordered = groups[0].sort(dim=-1).values
     assert bool((ordered[:, 1:] != ordered[:, :-1]).all())
-    assert not torch.equal(groups, balanced_groups(1003, 8, 3, seed=6))  # random, not a fixed pattern
+    assert not torch.equal(groups, balanced_groups(1003, 8, 3, seed=6, spread="adjacent"))  # random order
+    assert torch.equal((groups[0, :, 1] - groups[0, :, 0]) % 8, torch.ones(1003, dtype=torch.long))
     with pytest.raises(ValueError, match="top_k"):
         balanced_groups(10, 2, 3)
+
+
+def test_balanced_groups_combinations_deal_every_set_equally():
+    groups = balanced_groups(28 * 40 + 5, 8, 2, seed=3)
+    assert groups.shape == (1, 1125, 2)
+    assert bool((groups[0, :, 0] < groups[0, :, 1]).all())  # distinct, ascending
+    sets = torch.bincount(groups[0, :, 0] * 8 + groups[0, :, 1], minlength=64)
+    assert int((sets > 0).sum()) == 28 and int(sets.max() - sets[sets > 0].min()) <= 1
+    sizes = torch.bincount(groups.flatten(), minlength=8)
+    assert int(sizes.max() - sizes.min()) <= 7  # C(K - 1, 1) tokens at most
+    assert not torch.equal(groups, balanced_groups(1125, 8, 2, seed=4))
+    # one group per token: both spreads deal the same groups
+    assert torch.equal(balanced_groups(77, 5, 1, seed=2), balanced_groups(77, 5, 1, seed=2, spread="adjacent"))
+    with pytest.raises(ValueError, match="spread"):
+        balanced_groups(10, 4, 2, spread="diagonal")
+    with pytest.raises(ValueError, match="spread"):
+        balanced_groups(10, 60, 30)
 
 
 def test_prototype_top1_equals_focus_without_window():

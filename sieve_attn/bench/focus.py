@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -49,6 +50,7 @@ __all__ = ["BenchConfig", "add_arguments", "balanced_groups", "check_rows", "for
            "prototype_same_group", "run", "sample_rows"]
 
 BASELINES = ("cudnn", "flash", "flex", "prototype")
+SPREADS = ("combinations", "adjacent")  # of balanced_groups
 EXTRA_BACKENDS = tuple(name for name in focus_ops.BACKENDS if name != "auto")
 
 
@@ -59,6 +61,7 @@ class BenchConfig(Settings):
     group_counts: tuple[int, ...] = (4, 8, 16)
     top_ks: tuple[int, ...] = (1, 2)
     window: int = 128
+    spread: str = "combinations"
     extra_backends: tuple[str, ...] = ()
 
 
@@ -72,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_int_list(group, "--groups", d.group_counts, "group counts K, comma list; random groups of balanced sizes")
         add_int_list(group, "--top-k", d.top_ks, "groups per token, comma list; each must be <= every K")
         group.add_argument("--window", type=int, default=d.window, help=f"local window w: 0 <= i-j <= w ({d.window})")
+        group.add_argument("--spread", choices=SPREADS, default=d.spread,
+                           help="how a token's top-k groups are drawn: combinations (every set of top-k distinct "
+                                "groups dealt equally often, so every pair of groups is equally common) or adjacent "
+                                "(the sets {g, g+1, ..}, only K of them; the bench's groups up to Focus v10) "
+                                f"({d.spread})")
         group.add_argument("--backends", type=choice_list(EXTRA_BACKENDS), default=(),
                            help="further focus_attention backends timed in extra prefill rows, comma list (none)")
 
@@ -87,23 +95,47 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     refuse_above("--top-k", args.top_k, "--groups", args.groups)
     extra = args.backends or ()
     return BenchConfig(**settings_from_args(args), group_counts=args.groups, top_ks=args.top_k, window=args.window,
+                       spread=args.spread,
                        extra_backends=tuple(name for name in extra if name != args.backend))
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
 
-def balanced_groups(length: int, num_groups: int, top_k: int, *, seed: int = 0) -> torch.Tensor:
-    """Random groups of balanced sizes: int64 [1, length, top_k] on the CPU.
+# Sets of groups dealt out by the "combinations" spread: C(K, top_k) must stay a table the bench can hold.
+MAX_COMBINATIONS = 1 << 20
 
-    A random permutation of the tokens is dealt round-robin into the K groups (slot 0); slot s holds
-    (slot-0 group + s) % K, so a token's slots are distinct and every slot is balanced to within one token.
+
+def balanced_groups(length: int, num_groups: int, top_k: int, *, seed: int = 0,
+                    spread: str = "combinations") -> torch.Tensor:
+    """Random groups of balanced sizes: int64 [1, length, top_k] on the CPU, a token's ids distinct and ascending
+    ("combinations") or in slot order ("adjacent").
+
+    A random permutation of the tokens is dealt round-robin over a table of group sets:
+    - ``"combinations"``: every set of ``top_k`` distinct groups (C(K, top_k) of them, in a random order), so every
+      pair of groups is equally common; each group is in the same number of sets, so group sizes differ by at most
+      C(K - 1, top_k - 1) tokens (0 when C(K, top_k) divides ``length``). With top_k = 1 both spreads are the same
+      dealing of single groups, balanced to within one token.
+    - ``"adjacent"``: the sets {g, g + 1, ..., g + top_k - 1} (mod K): only K sets, every slot balanced to within
+      one token (the bench's groups up to Focus v10).
     """
     if not 1 <= top_k <= num_groups:
         raise ValueError(f"top_k: expected 1 <= top_k <= num_groups={num_groups}, got {top_k}")
-    perm = torch.randperm(length, generator=torch.Generator().manual_seed(seed))
-    first = torch.empty(length, dtype=torch.long)
-    first[perm] = torch.arange(length) % num_groups
-    return ((first[:, None] + torch.arange(top_k)) % num_groups)[None]
+    if spread not in SPREADS:
+        raise ValueError(f"spread: expected one of {SPREADS}, got {spread!r}")
+    generator = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(length, generator=generator)
+    if spread == "adjacent" or top_k == 1:
+        table = (torch.arange(num_groups)[:, None] + torch.arange(top_k)) % num_groups
+    else:
+        if math.comb(num_groups, top_k) > MAX_COMBINATIONS:
+            raise ValueError(f"spread: 'combinations' deals all C(K={num_groups}, top_k={top_k}) = "
+                             f"{math.comb(num_groups, top_k)} sets, expected at most {MAX_COMBINATIONS}; "
+                             "use 'adjacent'")
+        table = torch.combinations(torch.arange(num_groups), top_k)
+        table = table[torch.randperm(table.shape[0], generator=generator)]
+    dealt = torch.empty(length, dtype=torch.long)
+    dealt[perm] = torch.arange(length) % table.shape[0]
+    return table[dealt][None]
 
 
 # ---------------------------------------------------------------------------------------------------- baselines
@@ -242,7 +274,7 @@ class Bench(Timer):
 
         def check() -> Verdict:
             q, k, v = make_qkv(c.heads, c.heads, length, length, head_dim, self.device, c.seed + 1)
-            groups = balanced_groups(length, num_groups, top_k, seed=c.seed + 1).to(self.device)
+            groups = balanced_groups(length, num_groups, top_k, seed=c.seed + 1, spread=c.spread).to(self.device)
             return check_gradients(self.fns[extra], q, k, v, groups, c.window)
         key = (head_dim, num_groups, top_k)
         return self.gradient_verdict((extra, *key) if extra else key, (timing_label(extra), BACKWARD, *key), length,
@@ -282,7 +314,7 @@ def prefill_rows(bench: Bench, mode: str, q, k, v) -> list[dict]:
     rows = []
     for num_groups in c.group_counts:
         for top_k in c.top_ks:
-            groups = balanced_groups(length, num_groups, top_k, seed=c.seed).to(bench.device)
+            groups = balanced_groups(length, num_groups, top_k, seed=c.seed, spread=c.spread).to(bench.device)
             key = (mode, dim, num_groups, top_k)
             focus, checked = time_focus(bench, None, mode, q, k, v, groups, num_groups, top_k)
             baselines = dict(dense)
@@ -328,7 +360,7 @@ def decode_rows(bench: Bench, cache_len: int, head_dim: int) -> list[dict]:
     rows = []
     for num_groups in c.group_counts:
         for top_k in c.top_ks:
-            groups = balanced_groups(cache_len, num_groups, top_k, seed=c.seed).to(bench.device)
+            groups = balanced_groups(cache_len, num_groups, top_k, seed=c.seed, spread=c.spread).to(bench.device)
             # A decoder keeps its cache's routing validated (as a composed model's layers do), so a step pays
             # for attention, not for re-validating every cached token's groups.
             cached = FocusGroups.of(groups, 1, cache_len, bench.device)

@@ -161,23 +161,26 @@ def test_two_groups_per_token_take_inclusion_exclusion_without_masks(case, monke
 
 
 def test_half_copies_are_exact_and_in_range():
-    """bfloat16 q, k, v scaled by powers of two into float16: every value down to 2^-28 of its tensor's largest
-    comes back exactly, the largest lies in [2^13, 2^14), the logit scale compensates, a zero tensor stays."""
+    """bfloat16 q, k, v scaled by powers of two into float16 as they are packed: every value down to 2^-28 of its
+    tensor's largest comes back exactly, the largest lies in [2^13, 2^14), the logit scale compensates, a zero
+    tensor stays."""
     gen = torch.Generator().manual_seed(0)
-    q = (torch.randn(2, 3, 40, 16, generator=gen) * 3e3).bfloat16()
-    k = (torch.randn(2, 1, 40, 16, generator=gen) * torch.logspace(-9, 0, 16)).bfloat16()
-    v = torch.zeros(2, 1, 40, 16, dtype=torch.bfloat16)
-    calls = decomposed.HalfCopies.of(q, k, v)
-    q16, k16, v16, scale = calls.inputs(q, k, v, 0.25)
-    for original, copy, exponent in zip((q, k, v), (q16, k16, v16), calls.exponents):
+    q = (torch.randn(2, 3, 40, 16, generator=gen) * 3e3).to(DEVICE, torch.bfloat16)
+    k = (torch.randn(2, 1, 40, 16, generator=gen) * torch.logspace(-9, 0, 16)).to(DEVICE, torch.bfloat16)
+    v = torch.zeros(2, 1, 40, 16, dtype=torch.bfloat16, device=DEVICE)
+    calls = decomposed.CallInputs.half_copies(q, k, v, 0.25)
+    layout = SortedGroups.of(make_groups(2, 40, 3, 2, seed=0, sink=False), num_groups=3)
+    copies = calls.pack(layout, q, k, v)
+    for original, copy, factor in zip((q, k, v), copies, calls.factors):
         assert copy.dtype == torch.float16
-        back = copy.double() * 2.0 ** -exponent
-        big = original.double().abs() >= original.double().abs().max() * 2.0 ** -28
-        assert torch.equal(back[big], original.double()[big])
-    for copy in (q16, k16):
+        back = copy.double() / factor
+        plain = layout.pack(original).double()
+        big = plain.abs() >= original.double().abs().max() * 2.0 ** -28
+        assert torch.equal(back[big], plain[big])
+    for copy in copies[:2]:
         assert 2 ** 13 <= copy.abs().max().item() < 2 ** 14
-    assert calls.exponents[2] == 0 and calls.value_unit == 1.0
-    assert scale == 0.25 * 2.0 ** -(calls.exponents[0] + calls.exponents[1])
+    assert calls.factors[2] == 1.0 and calls.value_unit == 1.0
+    assert calls.scale == 0.25 / (calls.factors[0] * calls.factors[1])
 
 
 @pytest.mark.parametrize("case", ["gqa-top2-sink", "mqa-top2-noncausal", "long-groups-bf16",
@@ -198,20 +201,20 @@ WINDOW_KERNEL_CASES = ["mha-top1", "gqa-top2-sink", "mqa-top2-noncausal", "long-
 @pytest.mark.parametrize("case", WINDOW_KERNEL_CASES)
 def test_window_kernel_in_the_decomposition_matches_reference(case, monkeypatch):
     # On CUDA the window set runs as the Triton window kernel, the layouts are gathered by the Triton gather kernel
-    # and one membership per token merges by the Triton merge kernel (CASES above take all three there); here the
-    # interpreter runs them. Several memberships: merged partials in PyTorch.
+    # and the partials merge by the Triton merge kernel (CASES above take all three there); here the interpreter
+    # runs them.
     pytest.importorskip("triton")
     merges = []
 
-    def merge_kernel(*args):
+    def merge_kernel(*args, **options):
         merges.append(args)
-        return merge.merge_indexed_triton(*args)
+        return merge.merge_indexed_triton(*args, **options)
 
     monkeypatch.setattr(decomposed, "window_kernel_serves", lambda q, groups: groups.bits is not None)
     monkeypatch.setattr(decomposed, "gather_rows", gather.gather_rows_triton)  # the packing CUDA runs, too
     monkeypatch.setattr(decomposed, "merge_indexed", merge_kernel)
     check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0))
-    assert len(merges) == (CASES[case][6] == 1)  # the one sdpa run: the merge kernel exactly with one group each
+    assert len(merges) == 1  # the one sdpa run merges its partials by one kernel, whatever the memberships
 
 
 def test_window_kernel_writes_a_contiguous_output_for_a_strided_q(monkeypatch):
@@ -243,6 +246,9 @@ def test_sorted_groups_pack_segments_in_position_order():
     assert layout.length == 4 and layout.multi
     assert layout.slot_tokens().tolist() == [[1, 3, 4, -1], [0, 1, 2, 4], [7, -1, -1, -1], [5, 6, 8, 9]]
     assert layout.token_slot is None  # several memberships: tokens are summed over their copies
+    # slot of each (token, id slot), -1 for an empty id slot
+    assert layout.entry_slots().tolist() == [[4, -1], [0, 5], [6, -1], [1, -1], [7, 2],
+                                             [12, -1], [13, -1], [8, -1], [14, -1], [15, -1]]
     x = torch.arange(10.0).view(2, 1, 5)  # [B, H, T]: the value is the flat token index
     packed = layout.pack(x)
     assert packed.shape == (4, 1, 4) and packed[:, 0].tolist() == [[1, 3, 4, 0], [0, 1, 2, 4], [7, 0, 0, 0],
@@ -253,8 +259,9 @@ def test_sorted_groups_pack_segments_in_position_order():
 
 @pytest.mark.parametrize("slots", [1, 2])
 def test_sorted_groups_read_the_device_once_per_membership_kind(slots, monkeypatch):
-    """One host read for one group per token (the longest group and the segment count together); several slots add
-    nonzero's (which entries are memberships). Each read stalls the queue before the packing's launches."""
+    """One host read whatever the slots (the longest group, the segment count and the membership count together):
+    empty slots sort past the memberships rather than being found by nonzero. Each read stalls the queue before
+    the packing's launches."""
     groups = make_groups(2, 40, 5, slots, seed=2, spread=2)  # every other group empty
     reads = []
     for method in ("tolist", "item", "__int__", "__bool__", "nonzero"):
@@ -265,7 +272,7 @@ def test_sorted_groups_read_the_device_once_per_membership_kind(slots, monkeypat
     monkeypatch.setattr(torch, "nonzero", lambda *a, **kw: reads.append("nonzero") or original_nonzero(*a, **kw))
     layout = SortedGroups.of(groups, num_groups=10)
     monkeypatch.undo()
-    assert reads == (["tolist"] if slots == 1 else ["nonzero", "tolist"])
+    assert reads == ["tolist"]
     assert layout.num_segments == int((layout.counts > 0).sum()) and layout.counts.sum() == (groups >= 0).sum()
 
 

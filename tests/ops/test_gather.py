@@ -56,3 +56,17 @@ def test_refuses_an_index_of_the_wrong_length():
     src = _source(1, 2, 8, 16, torch.float32, strided=False)
     with pytest.raises(ValueError, match="index: expected 3 x 4 = 12 rows, got 11"):
         gather.gather_rows(src, torch.zeros(11, dtype=torch.long, device=DEVICE), 3, 4)
+
+
+@pytest.mark.parametrize("variant", ["reference", "triton"])
+def test_scaled_rows_cast_once(variant):
+    """A power-of-two factor and a float16 result: bf16 rows times 2^9 land exactly in float16, zeros stay zeros."""
+    if variant == "triton":
+        pytest.importorskip("triton")
+    src = _source(2, 3, 21, 24, torch.bfloat16, strided=True)
+    index = _index(30, 42, seed=4)
+    run = gather.gather_rows_triton if variant == "triton" else gather.gather_rows_reference
+    got = run(src, index, 5, 6, 2.0 ** 9, torch.float16)
+    assert got.dtype == torch.float16 and got.is_contiguous()
+    plain = gather.gather_rows_reference(src, index, 5, 6)
+    assert torch.equal(got.double(), plain.double() * 2.0 ** 9)

@@ -122,3 +122,56 @@ def test_merge_partials_subtracts_sets_counted_twice():
                                     5, torch.float64, subtracted)
     want_out, want_lse = partial(in_a | in_b)
     assert torch.allclose(out, want_out, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merges_several_parts_and_subtracts_one(variant, dtype):
+    """Two part rows per query from one layout (index [N, 2], some -1) and one subtracted row from another, the
+    part values scaled by part_unit: against the formula in float64 (weights of the subtracted rows negative)."""
+    gen = torch.Generator().manual_seed(7)
+    batch, heads, length, dim, unit = 2, 3, 23, 40, 2.0 ** -5
+    out, lse, part_out, part_lse, _ = _partials(batch, heads, length, dim, 6, 10, dtype, seed=11, token_major=True)
+    count = batch * length
+    index = torch.randint(0, 60, (count, 2), generator=gen)
+    index[::3, 1] = -1
+    index[1::7] = -1  # rows with no part (some of them with an empty base too: all empty)
+    index = index.to(DEVICE)
+    sub_out = torch.randn(4, heads, 9, dim, generator=gen).to(DEVICE, dtype)
+    sub_index = torch.randint(0, 36, (count,), generator=gen).to(DEVICE)
+    sub_index[index[:, 0] < 0] = -1
+    # A subtracted set lies inside the others: its weight stays below the first part's.
+    sub_lse = torch.full((4, heads, 9), float("-inf"), device=DEVICE)
+    first_lse = part_lse.transpose(1, 2).reshape(-1, heads)[index[:, 0].clamp_min(0)]
+    has = sub_index >= 0
+    sub_lse.transpose(1, 2).reshape(-1, heads)[sub_index[has]] = first_lse[has] - 0.7
+    result = (torch.full(out.shape, float("nan"), dtype=dtype, device=DEVICE),
+              torch.full(lse.shape, float("nan"), device=DEVICE))
+    run = merge.merge_indexed_triton if variant == "triton" else merge.merge_indexed_reference
+    if variant == "triton":
+        pytest.importorskip("triton")
+    got_out, got_lse = run(out, lse, part_out, part_lse, index, result, subtracted=(sub_out, sub_lse, sub_index),
+                           part_unit=unit)
+
+    rows = lambda o, l, i: (o.double().cpu().transpose(1, 2).reshape(-1, heads, dim)[i.clamp_min(0).cpu()],
+                            l.double().cpu().transpose(1, 2).reshape(-1, heads)[i.clamp_min(0).cpu()]
+                            .masked_fill((i < 0).cpu()[..., None], float("-inf")))
+    base_out = out.double().cpu().transpose(1, 2).reshape(count, heads, dim)
+    base_lse = lse.double().cpu().transpose(1, 2).reshape(count, heads)
+    p_out, p_lse = rows(part_out, part_lse, index)  # [N, 2, H, D], [N, 2, H]
+    u_out, u_lse = rows(sub_out, sub_lse, sub_index)
+    weights = torch.cat([base_lse[:, None], p_lse, u_lse[:, None]], 1).exp()  # [N, 4, H]
+    weights[:, 3] *= -1
+    values = torch.cat([base_out[:, None], p_out * unit, u_out[:, None] * unit], 1)
+    total = weights.sum(1)
+    want_out = torch.where(total[..., None] > 0, (weights[..., None] * values.nan_to_num(0.0)).sum(1)
+                           / total.clamp_min(1e-300)[..., None], 0.0)
+    want_lse = torch.where(total > 0, total.clamp_min(1e-300).log(), float("-inf"))
+    got_out = got_out.double().cpu().transpose(1, 2).reshape(count, heads, dim)
+    got_lse = got_lse.double().cpu().transpose(1, 2).reshape(count, heads)
+    assert bool((total == 0).any()) and bool(has.any())  # both kinds of rows are exercised
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse)) and not got_out.isnan().any()
+    finite = torch.isfinite(want_lse)
+    assert (got_lse[finite] - want_lse[finite]).abs().max() < 1e-5
+    tolerance = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    assert (got_out - want_out).abs().max() <= tolerance * max(1.0, want_out.abs().max())

@@ -13,8 +13,8 @@ Backends of the hard pattern (:func:`focus_attention`):
   softcap or attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token from
   4K tokens per group (H200, top-1, x cuDNN, v8: 64K K=8 4.86x against the Triton kernels' 3.82x, 1M K=8 8.76x
   against 6.40x, 1M K=16 17.46x against 12.48x, in one run; with the window partial in bf16, 64K K=8 5.09x, 1M
-  9.16x), and for two from 16K (v10, forward: 256K K=8 1.62x against 1.23x, K=16 2.75x against 2.34x, 1M K=8
-  1.66x against 1.29x; at 64K slower: K=8 0.80x against 0.87x); slower with shorter groups.
+  9.16x), and for two from 4K (v11, forward: 64K K=8 1.41x against 0.87x, 256K K=8 2.07x against 1.21x, K=16
+  4.02x against 2.29x); slower with shorter groups.
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
@@ -49,10 +49,12 @@ DENSE_BELOW = 8192
 # 0.94x; 4K 4.91 vs 4.67x, 4.65 vs 4.46x; 8K 3.79 vs 3.25x, 3.74 vs 3.23x; 16K 15.18 vs 11.85x; 32K 8.81 vs 6.49x;
 # 64K 19.15 vs 13.48x; 128K 9.27 vs 6.86x.
 GROUP_CALL_FROM = 4096
-# The same for two groups per token (inclusion-exclusion: two batched cuDNN calls, the Triton backward). H200, v10
-# (forward, x cuDNN, sdpa vs triton): 4K per group (64K, K=16) 1.00 vs 1.50x; 8K (64K, K=8) 0.80 vs 0.87x; 16K
-# (256K, K=16) 2.75 vs 2.34x; 32K (256K, K=8) 1.62 vs 1.23x.
-PAIRS_CALL_FROM = 16384
+# The same for two groups per token (inclusion-exclusion: two batched cuDNN calls, the Triton backward). H200, v11
+# (forward, x cuDNN, sdpa vs triton, the bench's default groups): 2K per group (32K, K=16) 1.11 vs 1.05x; 4K (32K,
+# K=8) 0.87 vs 0.67x, (64K, K=16) 2.19 vs 1.52x; 8K (64K, K=8) 1.41 vs 0.87x; 16K (256K, K=16) 4.02 vs 2.29x; 32K
+# (256K, K=8) 2.07 vs 1.21x. At 1K per group (8K, K=8) the host-bound sdpa call took 4.0 ms against 1.55 ms, so
+# auto starts at 4K rather than at the 2K where it first won.
+PAIRS_CALL_FROM = 4096
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")

@@ -14,9 +14,9 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
     Exact in exact arithmetic. The rounded partials of a query's three calls enter the merge with weights summing
     to 1 + 2 d, where d is the query's share of softmax mass on keys of its own pair of groups (up to 1 early in a
     sequence, where its own key dominates): with bf16 partials that broke the tests' precision rule, so bf16
-    inputs run these calls on float16 copies (:class:`HalfCopies`), 3 more bits per partial. The backward needs
-    no subtraction: the Triton kernels' on CUDA (each pair once, from the final output and log-sum-exp), the
-    masked calls' on the CPU.
+    inputs run these calls on float16 copies (:meth:`CallInputs.half_copies`, made as they are packed), 3 more bits
+    per partial. The backward needs no subtraction: the Triton kernels' on CUDA (each pair once, from the final
+    output and log-sum-exp), the masked calls' on the CPU.
   - Otherwise with several memberships (the lowest-shared-group rule), or not causal (padded keys would be seen):
     masked calls over chunks of query slots (the memory-efficient kernel's additive bias on CUDA, the CPU op's
     attn_mask).
@@ -30,8 +30,9 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
 Together the sets are exactly the pattern, so merging their partial results (out, lse) by log-sum-exp, with those of
 a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite. With one
 membership per token and the window kernel, the window set is computed first: it needs no sorted layout, so the
-device works on it while the host waits for the layout's sizes (the one host read) and launches the group set;
-one kernel then merges each token's two partials (:func:`~sieve_attn.ops.merge.merge_indexed`).
+device works on it while the host waits for the layout's sizes (the one host read) and launches the group set. One
+kernel merges each token's partials: the window's, one per copy and, in inclusion-exclusion, the subtracted one
+(:func:`~sieve_attn.ops.merge.merge_indexed`).
 
 Backward (the FlashAttention-2 identity): given the final output O and log-sum-exp L of each query, a pair's gradient
 depends only on that pair: P_ij = exp(s_ij - L_i), dS_ij = P_ij (dO_i . v_j - dO_i . O_i). So each fused call's own
@@ -53,7 +54,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..gather import gather_rows
-from ..merge import merge_indexed, merge_partials
+from ..merge import merge_indexed
 from ..triton_common import kernel_blocker, on_device_of
 from .groups import FocusGroups
 from .sdpa_ops import causal_call, masked_family
@@ -124,6 +125,7 @@ class SortedGroups:
     the segments by :func:`~sieve_attn.ops.gather.gather_rows` (one copy of each row)."""
 
     member_token: torch.Tensor   # [E] the token (b * T + t) of each membership
+    member_entry: torch.Tensor   # [E] its entry (b * T + t) * m + j in the ids (slot j of the token's m)
     counts: torch.Tensor         # [S] members of each segment
     segment_group: torch.Tensor  # [S] group id of each segment
     slot_token: torch.Tensor     # [S * L] the token (b * T + t) in each slot, -1 for padding
@@ -131,8 +133,13 @@ class SortedGroups:
     token_slot: Optional[torch.Tensor]  # [B * T] the slot of each token, with one membership each (else None)
     sequences: int               # B
     tokens: int                  # T
+    id_slots: int                # m
     length: int                  # L
-    multi: bool                  # some token has several memberships
+
+    @property
+    def multi(self) -> bool:
+        """Whether a token may have several memberships (m > 1)."""
+        return self.id_slots > 1
 
     @classmethod
     def of(cls, ids: torch.Tensor, num_groups: int) -> "SortedGroups":
@@ -142,43 +149,50 @@ class SortedGroups:
 
     @classmethod
     def start(cls, ids: torch.Tensor, num_groups: int, partial: bool = False) -> "_SortInFlight":
-        """:meth:`of` in two halves: this one queues the device work and the read of the two sizes that shape the
-        layout (the longest segment and the number of segments); :meth:`_SortInFlight.finish` waits for that read.
-        Work queued in between runs on the device while the host waits, and with one slot per token the host
-        waits for nothing else (the nonzero of several slots reads the device once more). ``partial``: with one slot,
-        some tokens may have no group (-1); nonzero finds the others."""
+        """:meth:`of` in two halves: this one queues the device work and the read of the three sizes that shape the
+        layout (the longest segment, the number of segments and of memberships); :meth:`_SortInFlight.finish` waits
+        for that read. Work queued in between runs on the device while the host waits, and the host waits for
+        nothing else. ``partial``: with one slot, some tokens may have no group (-1)."""
         batch, length, slots = ids.shape
         flat = ids.reshape(-1)
-        # one slot per token, all filled: every entry is a membership, so nonzero and its host read are not needed
-        entry = (torch.nonzero(flat >= 0).squeeze(1) if slots > 1 or partial
-                 else torch.arange(flat.numel(), device=ids.device))
-        token = entry // slots
-        group = flat[entry]
-        # The keys are distinct, so the order is the stable one: members of a group stay in position order.
-        key, order = torch.sort(((token // length) * num_groups + group) * length + token % length)
-        token, group, segment_key = token[order], group[order], key // length
-        # Segments are the runs of equal keys (non-empty by construction), counted into E slots (at least S) so
-        # that one read gives both sizes; memory O(E) whatever the ids.
+        token = torch.arange(flat.numel(), device=ids.device) // slots
+        complete = slots == 1 and not partial  # every entry a membership (validated)
+        # Empty slots get a key past every membership's, so they sort to the end, where finish() drops them.
+        past = batch * num_groups * length
+        key = ((token // length) * num_groups + flat) * length + token % length
+        if not complete:
+            key = torch.where(flat >= 0, key, past)
+        # The keys of memberships are distinct, so the order is the stable one: members of a group stay in
+        # position order.
+        key, entry = torch.sort(key)  # the order is each membership's entry in the ids
+        token, group, segment_key = token[entry], flat[entry], key // length
+        real = key < past
+        # Segments are the runs of equal keys, at most N of them, so [N] tensors hold their sizes and one read gives
+        # the layout's; memory O(B x T x m) whatever the ids.
         new = torch.ones_like(segment_key, dtype=torch.bool)
         new[1:] = segment_key[1:] != segment_key[:-1]
         segment = torch.cumsum(new, 0) - 1
-        members = torch.zeros_like(segment).index_add_(0, segment, torch.ones_like(segment))
+        members = torch.zeros_like(segment).index_add_(0, segment, real.long())  # empty slots: a last segment of 0
         first = torch.cumsum(members, 0) - members  # of each segment; the entries past the S-th are unused
         rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
         segment_group = torch.zeros_like(segment).scatter_(0, segment, group)
-        # nonzero has read the entry count already; none (possible with m > 1) means no segments
-        sizes = torch.stack([members.max(), segment[-1] + 1]) if entry.numel() else torch.zeros(2, dtype=torch.long)
-        return _SortInFlight(token, segment, rank, members, segment_group, batch, length,
-                             multi=entry.numel() > batch * length, one_each=entry.numel() == batch * length,
-                             sizes=_read_later(sizes))
+        if complete:
+            sizes = torch.stack([members.max(), segment[-1] + 1, segment.new_full((), segment.numel())])
+        elif segment.numel():
+            sizes = torch.stack([members.max(), (new & real).sum(), real.sum()])
+        else:
+            sizes = torch.zeros(3, dtype=torch.long)
+        return _SortInFlight(token, entry, segment, rank, members, segment_group, batch, length, slots,
+                             one_each=complete, sizes=_read_later(sizes))
 
     @property
     def num_segments(self) -> int:
         return self.counts.numel()
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, T, *rest] -> [S, H, L, *rest] (rest: () or (D,)), contiguous, zeros in the padding slots."""
-        return _rows_of(x, self.slot_token, self.num_segments, self.length)
+    def pack(self, x: torch.Tensor, factor: float = 1.0, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """[B, H, T, *rest] -> [S, H, L, *rest] (rest: () or (D,)), contiguous, zeros in the padding slots; the
+        values times ``factor``, in ``dtype`` (default x's), as :func:`~sieve_attn.ops.gather.gather_rows` says."""
+        return _rows_of(x, self.slot_token, self.num_segments, self.length, factor, dtype)
 
     def rows(self, y: torch.Tensor) -> torch.Tensor:
         """[S, H, L, *rest] -> [E, H, *rest]: the rows of the memberships."""
@@ -196,6 +210,15 @@ class SortedGroups:
     def slot_tokens(self) -> torch.Tensor:
         """[S, L] int64: the token (b * T + t) in each slot, -1 for padding."""
         return self.slot_token.view(self.num_segments, self.length)
+
+    def entry_slots(self) -> torch.Tensor:
+        """[B * T, m] int64: the slot (s * L + r) of each token's membership in each of its m id slots, -1 for an
+        empty one; the part index of :func:`~sieve_attn.ops.merge.merge_indexed`."""
+        if self.token_slot is not None:
+            return self.token_slot[:, None]
+        slots = self.member_slot.new_full((self.sequences * self.tokens * self.id_slots,), -1)
+        slots[self.member_entry] = self.member_slot
+        return slots.view(-1, self.id_slots)
 
 
 def _read_later(values: torch.Tensor):
@@ -217,31 +240,38 @@ def _read_later(values: torch.Tensor):
 
 @dataclass(frozen=True)
 class _SortInFlight:
-    """The device half of :meth:`SortedGroups.of`, before the read of the sizes (E memberships, sorted)."""
+    """The device half of :meth:`SortedGroups.of`, before the read of the sizes: N = B x T x m entries sorted,
+    the E memberships first."""
 
-    token: torch.Tensor          # [E] the token of each membership
-    segment: torch.Tensor        # [E] its segment
-    rank: torch.Tensor           # [E] its place in the segment
-    members: torch.Tensor        # [E] members of segment s at s < S, zeros after
-    segment_group: torch.Tensor  # [E] the group of segment s at s < S
+    token: torch.Tensor          # [N] the token of each entry
+    entry: torch.Tensor          # [N] its index in the ids
+    segment: torch.Tensor        # [N] its segment
+    rank: torch.Tensor           # [N] its place in the segment
+    members: torch.Tensor        # [N] members of segment s at s < S, zeros after
+    segment_group: torch.Tensor  # [N] the group of segment s at s < S
     sequences: int
     tokens: int
-    multi: bool                  # some token has several memberships
-    one_each: bool               # every token has exactly one
-    sizes: object                # () -> [longest, number of segments]
+    id_slots: int
+    one_each: bool               # every token has exactly one membership (m = 1, no empty slot)
+    sizes: object                # () -> [longest, number of segments, number of memberships]
+
+    @property
+    def multi(self) -> bool:
+        return self.id_slots > 1
 
     def finish(self) -> SortedGroups:
-        longest, num_segments = self.sizes()
-        member_slot = self.segment * longest + self.rank
+        longest, num_segments, count = self.sizes()
+        token, entry = self.token[:count], self.entry[:count]
+        member_slot = self.segment[:count] * longest + self.rank[:count]
         device = self.token.device
         slot_token = torch.full((num_segments * longest,), -1, dtype=torch.long, device=device)
-        slot_token[member_slot] = self.token
+        slot_token[member_slot] = token
         token_slot = None
         if self.one_each:
             token_slot = torch.empty(self.sequences * self.tokens, dtype=torch.long, device=device)
-            token_slot[self.token] = member_slot
-        return SortedGroups(self.token, self.members[:num_segments], self.segment_group[:num_segments], slot_token,
-                            member_slot, token_slot, self.sequences, self.tokens, length=longest, multi=self.multi)
+            token_slot[token] = member_slot
+        return SortedGroups(token, entry, self.members[:num_segments], self.segment_group[:num_segments], slot_token,
+                            member_slot, token_slot, self.sequences, self.tokens, self.id_slots, length=longest)
 
 
 def _pair_classes(ids: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -251,38 +281,47 @@ def _pair_classes(ids: torch.Tensor, num_groups: int) -> torch.Tensor:
     return torch.where(low >= 0, low * num_groups + high, -1)[..., None]
 
 
-def _rows_of(x: torch.Tensor, index: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
+def _rows_of(x: torch.Tensor, index: torch.Tensor, outer: int, inner: int, factor: float = 1.0,
+             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """:func:`~sieve_attn.ops.gather.gather_rows` of [A, H, I, D] or [A, H, I] tensors."""
     if x.dim() == 3:
-        return gather_rows(x[..., None], index, outer, inner)[..., 0]
-    return gather_rows(x, index, outer, inner)
+        return gather_rows(x[..., None], index, outer, inner, factor, dtype)[..., 0]
+    return gather_rows(x, index, outer, inner, factor, dtype)
 
 
 @dataclass(frozen=True)
-class HalfCopies:
-    """The fused calls of bfloat16 q, k, v on float16 copies scaled by powers of two: q by 2^a, k by 2^b, v by 2^c,
-    the logit scale by 2^-(a+b), so that each copy's largest magnitude lies in [2^13, 2^14) (float16 ends at 65504).
-    The logits are unchanged and the outputs are 2^c times the true ones. A bfloat16 value down to 2^-28 of its
-    tensor's largest is exact in float16 (smaller ones round to float16's subnormals, an error below 2^-38 of that
-    largest), and float16 outputs carry 11 significant bits to bfloat16's 8."""
+class CallInputs:
+    """How q, k and v enter the fused calls of the group set: packed into a layout, each times a power of two
+    (``factors``) and rounded to ``dtype`` (None: q's) in the same pass, with the logit scale ``scale``."""
 
-    exponents: tuple[int, int, int]  # a, b, c
+    factors: tuple[float, float, float]
+    dtype: Optional[torch.dtype]
+    scale: float
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "HalfCopies":
-        """Reads the three largest magnitudes (one host read)."""
-        largest = torch.stack([t.abs().amax().float() for t in (q, k, v)]).tolist()
-        return cls(tuple(14 - math.frexp(m)[1] if 0 < m < math.inf else 0 for m in largest))
+    def plain(cls, scale: float) -> "CallInputs":
+        return cls((1.0, 1.0, 1.0), None, scale)
 
-    def inputs(self, q, k, v, scale: float):
-        """(q', k', v', scale') of the calls."""
-        copies = [torch.mul(t, 2.0 ** e).to(torch.float16) for t, e in zip((q, k, v), self.exponents)]
-        return (*copies, scale * 2.0 ** -(self.exponents[0] + self.exponents[1]))
+    @classmethod
+    def half_copies(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> "CallInputs":
+        """bfloat16 q, k, v as float16 copies scaled by powers of two, q by 2^a, k by 2^b, v by 2^c, the logit scale
+        by 2^-(a+b), so that each copy's largest magnitude lies in [2^13, 2^14) (float16 ends at 65504). The logits
+        are unchanged and the outputs are 2^c times the true ones. A bfloat16 value down to 2^-28 of its tensor's
+        largest is exact in float16 (smaller ones round to float16's subnormals, an error below 2^-38 of that
+        largest), and float16 outputs carry 11 significant bits to bfloat16's 8. Reads the three largest
+        magnitudes (one host read)."""
+        largest = torch.stack([torch.linalg.vector_norm(t, float("inf")).float() for t in (q, k, v)]).tolist()
+        a, b, c = (14 - math.frexp(m)[1] if 0 < m < math.inf else 0 for m in largest)
+        return cls((2.0 ** a, 2.0 ** b, 2.0 ** c), torch.float16, scale * 2.0 ** -(a + b))
+
+    def pack(self, layout: "SortedGroups", q, k, v) -> list[torch.Tensor]:
+        """q, k, v [B, H, T, D] in ``layout``: [S, H, L, D] each."""
+        return [layout.pack(t, factor, self.dtype) for t, factor in zip((q, k, v), self.factors)]
 
     @property
     def value_unit(self) -> float:
         """What turns a call's output into the true one: 2^-c."""
-        return 2.0 ** -self.exponents[2]
+        return 1.0 / self.factors[2]
 
 
 class _TokenSets:
@@ -449,7 +488,6 @@ class _Plan:
 
     def forward(self, q, k, v):
         """(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32, float64 for float64 inputs)."""
-        dtype = torch.promote_types(q.dtype, torch.float32)
         if self.window_kernel is not None and not self.multi:
             # The window set needs no sorted layout: queued first, it keeps the device busy while the host waits
             # for the layout's sizes and launches the group set. One partial per token: one merge kernel reads
@@ -458,34 +496,24 @@ class _Plan:
             # combination of two partials rounded once each errs no more than the larger of their roundings (before
             # the result's own rounding).
             window_out, window_lse = self.window_kernel.forward(q, k, v, dtype=q.dtype)
-            out_s, lse_s = self._group_forward(q, k, v, self.scale)
+            out_s, lse_s = self._group_forward(q, k, v, CallInputs.plain(self.scale))
             return merge_indexed(window_out, window_lse, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
-        subtracted, unit = None, 1.0
-        if self.pairs is not None:
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        calls, subtracted = CallInputs.plain(self.scale), None
+        if self.pairs is not None and q.dtype == torch.bfloat16:
             # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on
-            # float16 copies, whose outputs carry 3 more bits (HalfCopies).
-            call_q, call_k, call_v, scale = q, k, v, self.scale
-            if q.dtype == torch.bfloat16:
-                calls = HalfCopies.of(q, k, v)
-                call_q, call_k, call_v, scale = calls.inputs(q, k, v, self.scale)
-                unit = calls.value_unit
-            out_s, lse_s = self._group_forward(call_q, call_k, call_v, scale)
-            out_p, lse_p = self._pair_forward(call_q, call_k, call_v, scale)
-            outs = [self.sorted.rows(out_s), self.pairs.rows(out_p)]
-            lses = [self.sorted.rows(lse_s), self.pairs.rows(lse_p)]
-            index = [self.sorted.member_token, self.pairs.member_token]
-            subtracted = torch.arange(sum(i.numel() for i in index), device=q.device) >= index[0].numel()
-        else:
-            out_s, lse_s = self._group_forward(q, k, v, self.scale)
-            outs, lses, index = [self.sorted.rows(out_s)], [self.sorted.rows(lse_s)], [self.sorted.member_token]
-        base = self._window_forward(q, k, v) if self.blocks else None
-        rows = torch.cat(outs).to(dtype)
-        if unit != 1.0:
-            rows.mul_(unit)  # exact: a power of two
-        out, lse = merge_partials(base, rows, torch.cat(lses), torch.cat(index), self.batch * self.length, dtype,
-                                  subtracted)
-        out = out.unflatten(0, (self.batch, self.length)).transpose(1, 2).to(q.dtype).contiguous()
-        return out, lse.unflatten(0, (self.batch, self.length)).transpose(1, 2).contiguous()
+            # float16 copies, whose outputs carry 3 more bits.
+            calls = CallInputs.half_copies(q, k, v, self.scale)
+        out_s, lse_s = self._group_forward(q, k, v, calls)
+        if self.pairs is not None:
+            subtracted = (*self._pair_forward(q, k, v, calls), self.pairs.entry_slots())
+        if self.blocks:
+            base = self._window_forward(q, k, v)
+        else:  # an empty partial: lse -inf, so its values are never weighed
+            base = q.new_zeros(q.shape), q.new_full(q.shape[:3], float("-inf"), dtype=dtype)
+        result = torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:3], dtype=dtype)
+        return merge_indexed(*base, out_s, lse_s, self.sorted.entry_slots(), result, subtracted=subtracted,
+                             part_unit=calls.value_unit)
 
     def backward(self, q, k, v, out, lse, grad_out):
         """(dq, dk, dv) in the inputs' dtypes, from the final out and lse of :meth:`forward`. After an
@@ -523,10 +551,11 @@ class _Plan:
             allowed &= ~self.sets.shared(q_tok, k_tok, below=self.sorted.segment_group)
         return allowed[:, None]
 
-    def _group_forward(self, q, k, v, scale: float):
-        """Partial results of the group set in the sorted layout: (out [S, Hq, L, D], lse [S, Hq, L]), the logits
-        scaled by ``scale`` (the plan's, or that of :class:`HalfCopies`)."""
-        q_s, k_s, v_s = (self.sorted.pack(t) for t in (q, k, v))
+    def _group_forward(self, q, k, v, calls: CallInputs):
+        """Partial results of the group set in the sorted layout: (out [S, Hq, L, D], lse [S, Hq, L]), of the inputs
+        as ``calls`` says."""
+        q_s, k_s, v_s = calls.pack(self.sorted, q, k, v)
+        scale = calls.scale
         if self.fast:
             self.causal_family, out_s, lse_s, self.saved["group"] = causal_call(q_s, k_s, v_s, scale)
         else:
@@ -562,11 +591,10 @@ class _Plan:
             grads = torch.cat(dqs, dim=2), dk_s, dv_s
         return [self.sorted.to_tokens(g, lse.dtype) for g in grads]
 
-    def _pair_forward(self, q, k, v, scale):
+    def _pair_forward(self, q, k, v, calls: CallInputs):
         """Partial results of the pairs the group calls count twice, in the layout of :attr:`pairs`: (out [P, Hq,
-        L, D], lse [P, Hq, L]), one batched causal call with ``scale``."""
-        q_p, k_p, v_p = (self.pairs.pack(t) for t in (q, k, v))
-        _, out, lse, _ = causal_call(q_p, k_p, v_p, scale)  # its backward is not needed (:meth:`backward`)
+        L, D], lse [P, Hq, L]), one batched causal call of the inputs as ``calls`` says."""
+        _, out, lse, _ = causal_call(*calls.pack(self.pairs, q, k, v), calls.scale)  # no backward needed
         return out, lse
 
     # ------------------------------------------------------------------------------------------------ window set
@@ -587,10 +615,9 @@ class _Plan:
         return allowed[:, None]
 
     def _window_forward(self, q, k, v):
-        """Partial results of the window set per token: (out [B*T, Hq, D], lse [B*T, Hq])."""
+        """Partial results of the window set: (out [B, Hq, T, D], lse [B, Hq, T])."""
         if self.window_kernel is not None:
-            out, lse = self.window_kernel.forward(q, k, v)  # out: token-major memory, so these are views
-            return out.transpose(1, 2).flatten(0, 1), lse.transpose(1, 2).flatten(0, 1)
+            return self.window_kernel.forward(q, k, v)
         blocks = self.blocks
         q_pad, k_pad, v_pad = blocks.pad_queries(q), blocks.pad_keys(k), blocks.pad_keys(v)
         outs, lses = [], []
@@ -602,8 +629,7 @@ class _Plan:
             out, lse = _clear_empty(out, lse, allowed)
             outs.append(blocks.unblock(out, self.batch))
             lses.append(blocks.unblock(lse, self.batch))
-        out, lse = torch.cat(outs, dim=2)[:, :, :self.length], torch.cat(lses, dim=2)[:, :, :self.length]
-        return out.transpose(1, 2).flatten(0, 1), lse.transpose(1, 2).flatten(0, 1)
+        return torch.cat(outs, dim=2)[:, :, :self.length], torch.cat(lses, dim=2)[:, :, :self.length]
 
     def _window_backward(self, q, k, v, out, lse, grad_out):
         """The window set's share of (dq, dk, dv), float32 [B, H, T, D] (float64 for float64 inputs)."""
