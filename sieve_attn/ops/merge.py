@@ -115,12 +115,12 @@ def merge_indexed(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, 
     multiplies the values of the part and subtracted rows (a power of two, e.g. undoing the scale of a fused call's
     value copy, is exact).
 
-    The result goes to ``result`` = (out [B, H, T, D], lse [B, H, T] float32), which may be ``out`` and ``lse``
-    themselves (each row is read before it is written), or to new contiguous tensors of ``out``'s dtype. The sums
-    are float32 (float64 for float64 partials). A row whose partials are all empty (lse -inf) gets out 0 and lse
-    -inf. No autograd (the decomposition and the Triton backend handle gradients themselves). On CUDA
-    :func:`merge_indexed_triton`, one kernel that reads each row once; elsewhere :func:`merge_indexed_reference`.
-    Returns the result.
+    The result goes to ``result`` = (out [B, H, T, D], lse [B, H, T], float32 or, for float64 partials, float64),
+    which may be ``out`` and ``lse`` themselves (each row is read before it is written), or to new contiguous
+    tensors of ``out``'s dtype (lse float32). The sums are float32 (float64 for float64 partials). A row whose
+    partials are all empty (lse -inf) gets out 0 and lse -inf. No autograd (the decomposition and the Triton backend
+    handle gradients themselves). On CUDA :func:`merge_indexed_triton`, one kernel that reads each row once, except
+    for float64 partials; elsewhere :func:`merge_indexed_reference`. Returns the result.
     """
     on_gpu = triton is not None and out.device.type == "cuda" and out.dtype != torch.float64
     merge = merge_indexed_triton if on_gpu else merge_indexed_reference

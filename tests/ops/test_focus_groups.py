@@ -35,6 +35,19 @@ def test_validation_reads_the_device_once(ids, has_bits, monkeypatch):
         assert torch.equal(groups.bits, group_bits(ids))
 
 
+def test_validation_drops_slots_no_token_fills():
+    """A slot empty for every token (a top-2 tensor of top-1 routing) is dropped, so one membership per token takes
+    the one-membership paths of the backends; the pattern is the same."""
+    ids = torch.tensor([[[-1, 2, -1], [0, -1, -1], [-1, 1, -1]], [[1, -1, -1], [-1, 0, -1], [2, -1, -1]]])
+    groups = FocusGroups.of(ids, 2, 3, "cpu")
+    assert groups.ids.tolist() == [[[-1, 2], [0, -1], [-1, 1]], [[1, -1], [-1, 0], [2, -1]]]
+    assert torch.equal(groups.bits, group_bits(ids)) and groups.num_groups == 3
+    q = torch.randn(2, 2, 3, 8)
+    one_each = ids.amax(-1)  # [B, T]: each token's one id
+    assert torch.equal(focus_attention(q, q, q, ids, window=0, backend="sdpa"),
+                       focus_attention(q, q, q, one_each, window=0, backend="sdpa"))
+
+
 def test_validated_groups_are_not_validated_again_and_must_fit_the_call():
     q = torch.randn(1, 2, 4, 8)
     groups = FocusGroups.of(torch.tensor([[0, 1, 0, 1]]), 1, 4, "cpu")

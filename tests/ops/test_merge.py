@@ -136,15 +136,18 @@ def test_merges_several_parts_and_subtracts_one(variant, dtype):
     index = torch.randint(0, 60, (count, 2), generator=gen)
     index[::3, 1] = -1
     index[1::7] = -1  # rows with no part (some of them with an empty base too: all empty)
-    index = index.to(DEVICE)
-    sub_out = torch.randn(4, heads, 9, dim, generator=gen).to(DEVICE, dtype)
-    sub_index = torch.randint(0, 36, (count,), generator=gen).to(DEVICE)
-    sub_index[index[:, 0] < 0] = -1
-    # A subtracted set lies inside the others: its weight stays below the first part's.
-    sub_lse = torch.full((4, heads, 9), float("-inf"), device=DEVICE)
-    first_lse = part_lse.transpose(1, 2).reshape(-1, heads)[index[:, 0].clamp_min(0)]
+    sub_out = torch.randn(4, 9, heads, dim, generator=gen).to(DEVICE, dtype).transpose(1, 2)  # cuDNN's layout
+    # One subtracted row per query that has a first part, each row owned by one query. A subtracted set lies inside
+    # the others: its weight stays below the first part's.
+    owners = (index[:, 0] >= 0).nonzero()[:36, 0]
+    sub_index = torch.full((count,), -1, dtype=torch.long)
+    sub_index[owners] = torch.randperm(36, generator=gen)[:owners.numel()]
+    first_lse = part_lse.cpu().transpose(1, 2).reshape(-1, heads)[index[owners, 0]]
+    sub_rows = torch.full((36, heads), float("-inf"))
+    sub_rows[sub_index[owners]] = first_lse - 0.7
+    sub_lse = sub_rows.view(4, 9, heads).transpose(1, 2).to(DEVICE)
+    index, sub_index = index.to(DEVICE), sub_index.to(DEVICE)
     has = sub_index >= 0
-    sub_lse.transpose(1, 2).reshape(-1, heads)[sub_index[has]] = first_lse[has] - 0.7
     result = (torch.full(out.shape, float("nan"), dtype=dtype, device=DEVICE),
               torch.full(lse.shape, float("nan"), device=DEVICE))
     run = merge.merge_indexed_triton if variant == "triton" else merge.merge_indexed_reference
@@ -170,6 +173,9 @@ def test_merges_several_parts_and_subtracts_one(variant, dtype):
     got_out = got_out.double().cpu().transpose(1, 2).reshape(count, heads, dim)
     got_lse = got_lse.double().cpu().transpose(1, 2).reshape(count, heads)
     assert bool((total == 0).any()) and bool(has.any())  # both kinds of rows are exercised
+    assert bool(torch.isfinite(u_lse).sum() > 10 * heads)  # and subtracted rows that weigh
+    plain = run(out, lse, part_out, part_lse, index, part_unit=unit)[0].double().cpu().transpose(1, 2)
+    assert (plain.reshape(count, heads, dim) - want_out).abs().max() > 1e-2  # the subtraction changes the result
     assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse)) and not got_out.isnan().any()
     finite = torch.isfinite(want_lse)
     assert (got_lse[finite] - want_lse[finite]).abs().max() < 1e-5

@@ -10,7 +10,7 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
   - Causal with at most two memberships per token: inclusion-exclusion, two batched causal calls. The first runs
     over every copy of every token, so a pair whose tokens share two groups (both tokens in exactly the groups a and
     b) is counted in both segments; the second runs over the tokens grouped by their pair of groups (segments of the
-    class a * K + b), and its partials are subtracted in the merge (:func:`~sieve_attn.ops.merge.merge_partials`).
+    class a * K + b), and its partials are subtracted in the merge (:func:`~sieve_attn.ops.merge.merge_indexed`).
     Exact in exact arithmetic. The rounded partials of a query's three calls enter the merge with weights summing
     to 1 + 2 d, where d is the query's share of softmax mass on keys of its own pair of groups (up to 1 early in a
     sequence, where its own key dominates): with bf16 partials that broke the tests' precision rule, so bf16
@@ -176,12 +176,12 @@ class SortedGroups:
         first = torch.cumsum(members, 0) - members  # of each segment; the entries past the S-th are unused
         rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
         segment_group = torch.zeros_like(segment).scatter_(0, segment, group)
-        if complete:
-            sizes = torch.stack([members.max(), segment[-1] + 1, segment.new_full((), segment.numel())])
-        elif segment.numel():
-            sizes = torch.stack([members.max(), (new & real).sum(), real.sum()])
-        else:
+        if not segment.numel():
             sizes = torch.zeros(3, dtype=torch.long)
+        elif complete:
+            sizes = torch.stack([members.max(), segment[-1] + 1, segment.new_full((), segment.numel())])
+        else:
+            sizes = torch.stack([members.max(), (new & real).sum(), real.sum()])
         return _SortInFlight(token, entry, segment, rank, members, segment_group, batch, length, slots,
                              one_each=complete, sizes=_read_later(sizes))
 
@@ -311,7 +311,9 @@ class CallInputs:
         largest), and float16 outputs carry 11 significant bits to bfloat16's 8. Reads the three largest
         magnitudes (one host read)."""
         largest = torch.stack([torch.linalg.vector_norm(t, float("inf")).float() for t in (q, k, v)]).tolist()
-        a, b, c = (14 - math.frexp(m)[1] if 0 < m < math.inf else 0 for m in largest)
+        # at most 2^100, so that the factors stay float32 numbers for the tiniest tensors (their smallest values
+        # then round to float16's subnormals)
+        a, b, c = (min(14 - math.frexp(m)[1], 100) if 0 < m < math.inf else 0 for m in largest)
         return cls((2.0 ** a, 2.0 ** b, 2.0 ** c), torch.float16, scale * 2.0 ** -(a + b))
 
     def pack(self, layout: "SortedGroups", q, k, v) -> list[torch.Tensor]:

@@ -80,7 +80,8 @@ def _pad_slots(ids: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _checked_ids(groups, batch: int, k_len: int, device) -> tuple[torch.Tensor, int]:
-    """``groups`` as [B, T, m] int64 and the number of ids in use; ValueError naming what is wrong."""
+    """``groups`` as [B, T, m] int64 (slots that no token fills dropped) and the number of ids in use; ValueError
+    naming what is wrong."""
     if not isinstance(groups, torch.Tensor):
         fail("groups", "an integer tensor [B, T] or [B, T, m]", type(groups).__name__)
     if groups.dtype.is_floating_point or groups.dtype.is_complex or groups.dtype == torch.bool:
@@ -100,7 +101,9 @@ def _checked_ids(groups, batch: int, k_len: int, device) -> tuple[torch.Tensor, 
     ordered = slots.sort(dim=-1).values if slots.shape[2] > 1 else slots
     repeated = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()
     homeless = ~(slots >= 0).any(dim=-1).all()
-    low, high, repeated, homeless = torch.stack([slots.min(), slots.max(), repeated, homeless]).tolist()
+    used = (slots >= 0).flatten(0, 1).any(0)  # [m]: slots some token fills
+    low, high, repeated, homeless, *used = torch.cat([torch.stack([slots.min(), slots.max(), repeated, homeless]),
+                                                     used]).tolist()
     floor = -1 if groups.dim() == 3 else 0
     if low < floor:
         fail("groups", f"group ids >= {floor}" + (" (-1 marks an empty slot)" if floor < 0 else ""), low)
@@ -108,4 +111,6 @@ def _checked_ids(groups, batch: int, k_len: int, device) -> tuple[torch.Tensor, 
         fail("groups", "every token in at least one group", "a token whose slots are all -1")
     if repeated:
         fail("groups", "distinct group ids among a token's slots", "a token listing one group twice")
+    if not all(used):  # a slot no token fills changes nothing but the backends' paths (several memberships)
+        slots = slots[..., [index for index, filled in enumerate(used) if filled]]
     return slots, high + 1

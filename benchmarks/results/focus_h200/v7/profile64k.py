@@ -12,7 +12,7 @@ res = {}
 T, H, D = 65536, 8, 128
 q, k, v = (torch.randn(1, H, T, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
 for K, m in ((8, 1), (16, 1), (8, 2)):
-    raw = balanced_groups(T, K, m).to(dev)
+    raw = balanced_groups(T, K, m, spread="adjacent").to(dev)
     pre = FocusGroups.of(raw, 1, T, dev)
     r = {}
     with sa.skip_nan_checks():

@@ -96,7 +96,7 @@ with sa.skip_nan_checks():
     del qg, kg, vg, go
 
     # B: top-2 triton
-    raw2 = balanced_groups(T, K, 2).to(dev)
+    raw2 = balanced_groups(T, K, 2, spread="adjacent").to(dev)
     pre2 = FocusGroups.of(raw2, 1, T, dev)
     f2 = lambda: focus_attention(q, k, v, pre2, window=W, backend="triton")
     r = {"total_pre_ms": t(f2)}
