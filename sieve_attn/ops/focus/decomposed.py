@@ -292,7 +292,8 @@ def _rows_of(x: torch.Tensor, index: torch.Tensor, outer: int, inner: int, facto
 @dataclass(frozen=True)
 class CallInputs:
     """How q, k and v enter the fused calls of the group set: packed into a layout, each times a power of two
-    (``factors``) and rounded to ``dtype`` (None: q's) in the same pass, with the logit scale ``scale``."""
+    (``factors``) and rounded to ``dtype`` (None: each keeps its own) in the same pass, with the logit scale
+    ``scale``."""
 
     factors: tuple[float, float, float]
     dtype: Optional[torch.dtype]
@@ -300,6 +301,7 @@ class CallInputs:
 
     @classmethod
     def plain(cls, scale: float) -> "CallInputs":
+        """q, k, v packed as they are."""
         return cls((1.0, 1.0, 1.0), None, scale)
 
     @classmethod
