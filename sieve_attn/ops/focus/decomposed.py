@@ -255,10 +255,6 @@ class _SortInFlight:
     one_each: bool               # every token has exactly one membership (m = 1, no empty slot)
     sizes: object                # () -> [longest, number of segments, number of memberships]
 
-    @property
-    def multi(self) -> bool:
-        return self.id_slots > 1
-
     def finish(self) -> SortedGroups:
         longest, num_segments, count = self.sizes()
         token, entry = self.token[:count], self.entry[:count]
@@ -447,7 +443,7 @@ class _Plan:
         # Resolved at first use (:attr:`sorted`): the forward queues the window set before it waits for the read.
         self._sorting = SortedGroups.start(groups.ids, groups.num_groups)
         self._sorted = None
-        self.multi = self._sorting.multi
+        self.multi = groups.ids.shape[2] > 1  # SortedGroups.multi
         self.groups = groups
         # Inclusion-exclusion (module docstring) while the class keys a * K + b of the sort fit in int64, where the
         # backward has an exact path that needs no forward state (the Triton kernels on CUDA, the CPU op's masks),
