@@ -28,11 +28,11 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
     never T x T.
 
 Together the sets are exactly the pattern, so merging their partial results (out, lse) by log-sum-exp, with those of
-a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite. With one
-membership per token and the window kernel, the window set is computed first: it needs no sorted layout, so the
-device works on it while the host waits for the layout's sizes (the one host read) and launches the group set. One
-kernel merges each token's partials: the window's, one per copy and, in inclusion-exclusion, the subtracted one
-(:func:`~sieve_attn.ops.merge.merge_indexed`).
+a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite. The window
+kernel is queued first, on a side stream (:class:`~sieve_attn.ops.side_stream.SideStream`): it needs no sorted
+layout, so the device works on it while the host sorts the layouts, waits for their sizes (one host read each) and
+launches the group set. One kernel then merges each token's partials: the window's, one per copy and, in
+inclusion-exclusion, the subtracted one (:func:`~sieve_attn.ops.merge.merge_indexed`).
 
 Backward (the FlashAttention-2 identity): given the final output O and log-sum-exp L of each query, a pair's gradient
 depends only on that pair: P_ij = exp(s_ij - L_i), dS_ij = P_ij (dO_i . v_j - dO_i . O_i). So each fused call's own
@@ -47,6 +47,7 @@ Uneven and empty groups: only non-empty segments exist; padding costs at most S 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -55,6 +56,7 @@ import torch
 
 from ..gather import gather_rows
 from ..merge import merge_indexed
+from ..side_stream import SideStream
 from ..triton_common import kernel_blocker, on_device_of
 from .groups import FocusGroups
 from .sdpa_ops import causal_call, masked_family
@@ -172,9 +174,12 @@ class SortedGroups:
         new = torch.ones_like(segment_key, dtype=torch.bool)
         new[1:] = segment_key[1:] != segment_key[:-1]
         segment = torch.cumsum(new, 0) - 1
-        members = torch.zeros_like(segment).index_add_(0, segment, real.long())  # empty slots: a last segment of 0
-        first = torch.cumsum(members, 0) - members  # of each segment; the entries past the S-th are unused
-        rank = torch.arange(segment.numel(), device=ids.device) - first[segment]
+        # Each segment's first and end entries (N past the last) by searches rather than counting atomics, which
+        # contend on the few segments. Empty slots form a last segment without members.
+        positions = torch.arange(segment.numel(), device=ids.device)
+        first, end = torch.searchsorted(segment, positions), torch.searchsorted(segment, positions + 1)
+        members = end - first if complete else (torch.minimum(end, real.sum()) - first).clamp_min(0)
+        rank = positions - first[segment]
         segment_group = torch.zeros_like(segment).scatter_(0, segment, group)
         if not segment.numel():
             sizes = torch.zeros(3, dtype=torch.long)
@@ -440,21 +445,14 @@ class _Plan:
 
     def __init__(self, groups: FocusGroups, q, k, *, window: int, causal: bool, scale: float):
         self.batch, self.length = q.shape[0], q.shape[2]
-        # Resolved at first use (:attr:`sorted`): the forward queues the window set before it waits for the read.
-        self._sorting = SortedGroups.start(groups.ids, groups.num_groups)
-        self._sorted = None
-        self.multi = groups.ids.shape[2] > 1  # SortedGroups.multi
         self.groups = groups
+        self.multi = groups.ids.shape[2] > 1
         # Inclusion-exclusion (module docstring) while the class keys a * K + b of the sort fit in int64, where the
         # backward has an exact path that needs no forward state (the Triton kernels on CUDA, the CPU op's masks),
         # and not for float16 inputs: no wider 16-bit type holds their partials (bf16 ones go to float16).
-        classes = groups.num_groups ** 2
         self.subtracts = (causal and self.multi and groups.ids.shape[2] == 2 and q.dtype != torch.float16
-                          and classes * self.batch * self.length < 2 ** 62
+                          and groups.num_groups ** 2 * self.batch * self.length < 2 ** 62
                           and (q.device.type == "cpu" or window_kernel_serves(q, groups)))
-        self._pair_sorting = (SortedGroups.start(_pair_classes(groups.ids, groups.num_groups), classes, partial=True)
-                              if self.subtracts else None)
-        self._pairs = None
         self.sets = _TokenSets(groups)
         self.window, self.causal, self.scale = window, causal, scale
         # window 0: the window set is empty (a token always shares a group with itself)
@@ -470,50 +468,70 @@ class _Plan:
         self.causal_family = None
         self.saved: dict = {}
 
-    @property
-    def sorted(self) -> SortedGroups:
-        if self._sorted is None:
-            self._sorted, self._sorting = self._sorting.finish(), None
-        return self._sorted
+    # The layouts are sorted at first use: the forward queues the window kernel first (on a side stream), so that
+    # the device computes it while the host queues the sorting; each layout then reads its sizes once.
 
-    @property
+    @functools.cached_property
+    def _sorting(self) -> "_SortInFlight":
+        return SortedGroups.start(self.groups.ids, self.groups.num_groups)
+
+    @functools.cached_property
+    def _pair_sorting(self) -> Optional["_SortInFlight"]:
+        if not self.subtracts:
+            return None
+        return SortedGroups.start(_pair_classes(self.groups.ids, self.groups.num_groups), self.groups.num_groups ** 2,
+                                  partial=True)
+
+    @functools.cached_property
+    def sorted(self) -> SortedGroups:
+        return self._sorting.finish()
+
+    @functools.cached_property
     def pairs(self) -> Optional[SortedGroups]:
         """The tokens in two groups, sorted by (sequence, pair of groups, position), when the group set is
         inclusion-exclusion and some token is in two groups; else None."""
-        if self._pair_sorting is not None:
-            self._pairs, self._pair_sorting = self._pair_sorting.finish(), None
-        return self._pairs if self._pairs is not None and self._pairs.num_segments else None
+        layout = self._pair_sorting.finish() if self._pair_sorting is not None else None
+        return layout if layout is not None and layout.num_segments else None
 
     # ------------------------------------------------------------------------------------------------ both sets
 
     def forward(self, q, k, v):
         """(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32, float64 for float64 inputs)."""
-        if self.window_kernel is not None and not self.multi:
-            # The window set needs no sorted layout: queued first, it keeps the device busy while the host waits
-            # for the layout's sizes and launches the group set. One partial per token: one merge kernel reads
-            # each token's group-set row in place.
-            # In q's dtype, as the group set's partial: the merge reads half the bytes of float32, and a convex
-            # combination of two partials rounded once each errs no more than the larger of their roundings (before
-            # the result's own rounding).
-            window_out, window_lse = self.window_kernel.forward(q, k, v, dtype=q.dtype)
-            out_s, lse_s = self._group_forward(q, k, v, CallInputs.plain(self.scale))
-            return merge_indexed(window_out, window_lse, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
         dtype = torch.promote_types(q.dtype, torch.float32)
-        calls, subtracted = CallInputs.plain(self.scale), None
-        if self.pairs is not None and q.dtype == torch.bfloat16:
-            # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on
-            # float16 copies, whose outputs carry 3 more bits.
-            calls = CallInputs.half_copies(q, k, v, self.scale)
-        out_s, lse_s = self._group_forward(q, k, v, calls)
-        if self.pairs is not None:
-            subtracted = (*self._pair_forward(q, k, v, calls), self.pairs.entry_slots())
-        if self.blocks:
-            base = self._window_forward(q, k, v)
-        else:  # an empty partial: lse -inf, so its values are never weighed
-            base = q.new_zeros(q.shape), q.new_full(q.shape[:3], float("-inf"), dtype=dtype)
-        result = torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:3], dtype=dtype)
-        return merge_indexed(*base, out_s, lse_s, self.sorted.entry_slots(), result, subtracted=subtracted,
-                             part_unit=calls.value_unit)
+        with SideStream(q.device) as side:
+            window = None
+            if self.window_kernel is not None:
+                # The window set needs no sorted layout: queued first, on a side stream, the device computes it
+                # while the host queues the sorting, waits for the layouts' sizes and launches the group set.
+                # With one membership per token in q's dtype, as the group set's partial: the merge reads half the
+                # bytes of float32, and a convex combination of two partials rounded once each errs no more than
+                # the larger of their roundings (before the result's own rounding). Several memberships: float32
+                # (three partials). Its buffers come from the current stream (SideStream).
+                window = self.window_kernel.empty_result(q, dtype if self.multi else q.dtype)
+                side.run(self.window_kernel.forward, q, k, v, result=window)
+            if window is not None and not self.multi:
+                out_s, lse_s = self._group_forward(q, k, v, CallInputs.plain(self.scale))
+                side.join()
+                return merge_indexed(*window, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
+            self._sorting, self._pair_sorting  # both layouts sorted before either size is read
+            calls, subtracted = CallInputs.plain(self.scale), None
+            if self.subtracts and q.dtype == torch.bfloat16:
+                # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on
+                # float16 copies, whose outputs carry 3 more bits.
+                calls = CallInputs.half_copies(q, k, v, self.scale)
+            out_s, lse_s = self._group_forward(q, k, v, calls)
+            if self.pairs is not None:
+                subtracted = (*self._pair_forward(q, k, v, calls), self.pairs.entry_slots())
+            if window is not None:
+                base = window
+            elif self.blocks:
+                base = self._window_forward(q, k, v)
+            else:  # an empty partial: lse -inf, so its values are never weighed
+                base = q.new_zeros(q.shape), q.new_full(q.shape[:3], float("-inf"), dtype=dtype)
+            result = torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:3], dtype=dtype)
+            side.join()
+            return merge_indexed(*base, out_s, lse_s, self.sorted.entry_slots(), result, subtracted=subtracted,
+                                 part_unit=calls.value_unit)
 
     def backward(self, q, k, v, out, lse, grad_out):
         """(dq, dk, dv) in the inputs' dtypes, from the final out and lse of :meth:`forward`. After an
@@ -615,9 +633,7 @@ class _Plan:
         return allowed[:, None]
 
     def _window_forward(self, q, k, v):
-        """Partial results of the window set: (out [B, Hq, T, D], lse [B, Hq, T])."""
-        if self.window_kernel is not None:
-            return self.window_kernel.forward(q, k, v)
+        """Partial results of the window set by masked calls: (out [B, Hq, T, D], lse [B, Hq, T])."""
         blocks = self.blocks
         q_pad, k_pad, v_pad = blocks.pad_queries(q), blocks.pad_keys(k), blocks.pad_keys(v)
         outs, lses = [], []

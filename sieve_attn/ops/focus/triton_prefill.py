@@ -427,14 +427,20 @@ class WindowSet(_Kernels):
     """The window set alone (local pairs that share no group), for a backend that computes the group set otherwise
     (:mod:`.decomposed` on CUDA). ``bits`` [B, T] are the tokens' group bit sets (ids < ``num_groups`` <= 63)."""
 
-    def forward(self, q, k, v, dtype=torch.float32):
-        """The window set's partial result: (out [B, Hq, T, D] in ``dtype``, laid out token-major ([B, T, Hq, D] in
-        memory), lse [B, Hq, T] float32); a query none of whose window keys is in the set (the first token, say)
-        gets out 0 and lse -inf."""
+    @staticmethod
+    def empty_result(q, dtype=torch.float32):
+        """Buffers of :meth:`forward`'s result: (out [B, Hq, T, D] in ``dtype``, token-major in memory ([B, T, Hq,
+        D]), lse [B, Hq, T] float32)."""
         batch, heads, length, dim = q.shape
+        return (torch.empty(batch, length, heads, dim, dtype=dtype, device=q.device).transpose(1, 2),
+                torch.empty(batch, heads, length, dtype=torch.float32, device=q.device))
+
+    def forward(self, q, k, v, dtype=torch.float32, result=None):
+        """The window set's partial result: (out [B, Hq, T, D] in ``dtype``, laid out token-major ([B, T, Hq, D] in
+        memory), lse [B, Hq, T] float32), written into ``result`` (from :meth:`empty_result`) when given; a query
+        none of whose window keys is in the set (the first token, say) gets out 0 and lse -inf."""
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out = torch.empty(batch, length, heads, dim, dtype=dtype, device=q.device).transpose(1, 2)
-        lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
+        out, lse = result if result is not None else self.empty_result(q, dtype)
         self._launch_forward(self.window_layout, True, False, q, k, v, None, out, lse)
         return out, lse
 
