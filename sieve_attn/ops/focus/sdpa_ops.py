@@ -13,7 +13,7 @@ Forward ``forward(q, k, v, allowed, scale) -> (out, lse, saved)``:
   overwrite such rows.
 
 Backward ``backward(grad_out, q, k, v, out, lse, allowed, saved, scale) -> (dq, dk, dv)`` in the inputs' dtypes (the
-CPU family: float32 for 16-bit inputs, which callers sum in float32 anyway).
+masked families, CPU and memory-efficient: float32 for 16-bit inputs, which callers sum in float32 anyway).
 ``out`` and ``lse`` [N, Hq, M] are the caller's: a FlashAttention-2 backward reads only P = exp(s - lse) and
 delta = rowsum(grad_out * out), so the final (merged) output and log-sum-exp of the query rows give this call's share
 of the exact gradient. No gradient flows through lse.
@@ -136,11 +136,15 @@ def efficient_forward(q, k, v, allowed, scale):
 
 
 def efficient_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
-    bias, queries = None if allowed is None else additive_bias(allowed, q.dtype, _BIAS_ALIGN), q.shape[2]
+    """As :func:`cpu_backward`, 16-bit inputs run in float32 and the gradients come in float32 (the kernel takes
+    float32 on sm80 and later)."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    grad_out, q, k, v, out = (t.to(wide) for t in (grad_out, q, k, v, out))
+    bias, queries = None if allowed is None else additive_bias(allowed, wide, _BIAS_ALIGN), q.shape[2]
     padded = lse.new_zeros(*lse.shape[:2], -(-queries // _LSE_ALIGN) * _LSE_ALIGN)
     padded[..., :queries] = lse
     group = q.shape[1] // k.shape[1]
-    dqs, dk, dv = [], torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    dqs, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
     for h, ((q_h, k_h, v_h), (seed, offset)) in enumerate(zip(_head_views(q, k, v), saved, strict=True)):
         rows = slice(h, h + 1)
         # Contiguous copies of the head's rows: what the forward returned had that layout.
@@ -148,9 +152,9 @@ def efficient_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
             grad_out[:, rows].contiguous(), q_h, k_h, v_h, bias, out[:, rows].contiguous(),
             padded[:, rows].contiguous(), seed, offset, 0.0, [True, True, True, False], allowed is None, scale=scale)
         dqs.append(dq_h)
-        dk[:, h // group] += dk_h[:, 0].float()
-        dv[:, h // group] += dv_h[:, 0].float()
-    return torch.cat(dqs, dim=1), dk.to(k.dtype), dv.to(v.dtype)
+        dk[:, h // group] += dk_h[:, 0]
+        dv[:, h // group] += dv_h[:, 0]
+    return torch.cat(dqs, dim=1), dk, dv
 
 
 FAMILIES = {family.name: family for family in (

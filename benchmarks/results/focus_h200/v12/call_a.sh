@@ -1,6 +1,7 @@
 #!/bin/bash
 # v12 call A (to run; built in session 18, not yet measured): the window kernel queued first on a side stream
-# (SideStream), the layouts sorted lazily after it, the segment sizes by searchsorted. CUDA tests; the profile at
+# (SideStream), the layouts sorted lazily after it, the segment sizes by searchsorted; the memory-efficient masked
+# family's backward in float32 for 16-bit inputs (as the CPU family's since 84826c1). CUDA tests; the profile at
 # 64K (v11's script); the gated bench of top-1 and top-2 at 64K (forward and forward+backward) and top-2 at 256K.
 # Compare with v11 call B (top-2) and v8 call Q (top-1: 64K K=8 5.09x).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
