@@ -180,8 +180,10 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, d: Settings) -> None:
                         help="time the calls inside sieve_attn.skip_nan_checks(): no host synchronisation for the "
                              "NaN check of the inputs, as dense SDPA has none (outputs are still gated)")
     timing.add_argument("--cuda-graphs", action="store_true",
-                        help="time decode steps, sparse and dense alike, as replays of a captured CUDA graph (no "
-                             "Python or launch overhead, as serving engines decode); needs --skip-nan-checks")
+                        help="time forward calls and decode steps, sparse and dense alike, as replays of captured "
+                             "CUDA graphs (no Python or launch overhead, as serving engines decode and static-shape "
+                             "training steps run); a call that synchronises with the host cannot be captured and "
+                             "its row says so; needs --skip-nan-checks")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser, d: Settings, out: Path, files: str) -> None:
@@ -392,10 +394,11 @@ class Timer:
 
     def time(self, key: tuple, length: int, make: Callable[[], Callable], *, power: int = 2,
              gate: Optional[Callable] = None, compiled: bool = False,
-             decode: bool = False) -> tuple[dict, Optional[Verdict]]:
+             graphable: bool = False) -> tuple[dict, Optional[Verdict]]:
         """Measures the call built by ``make()`` (untimed). With ``gate``, the call's first output must pass it
-        first (``gate(out) -> Verdict``); a failed gate gives no time. A ``decode`` call on CUDA with
-        ``cuda_graphs`` is timed as a graph replay (:func:`.timing.graphed`), captured after the gate. Returns
+        first (``gate(out) -> Verdict``); a failed gate gives no time. A ``graphable`` call (a forward or a decode
+        step) on CUDA with ``cuda_graphs`` is timed as a graph replay (:func:`.timing.graphed`), captured after the
+        gate. Returns
         (measurement dict, verdict or None)."""
         if key in self.dead:
             return skipped(self.dead[key]), None
@@ -414,7 +417,7 @@ class Timer:
                 warmup = max(0, warmup - 1)
             if compiled:
                 warmup = max(1, warmup)
-            if decode and self.config.cuda_graphs and self.device.type == "cuda":
+            if graphable and self.config.cuda_graphs and self.device.type == "cuda":
                 call = graphed(call)
             timing = measure(call, self.device, warmup=warmup, reps=self.config.reps, budget_s=self.config.budget_s)
         except Exception as error:  # noqa: BLE001 - any failure of a method is a result to record, not a crash
@@ -455,7 +458,8 @@ def time_dense(timer: Timer, mode: str, q, k, v, makers: dict[str, Callable[[], 
         def make(maker=maker):
             attn = maker()
             return forward_backward(attn, q, k, v) if backward else functools.partial(attn, q, k, v)
-        results[name] = timer.time((name, mode, q.shape[3]), length, make, compiled=name in compiled)[0]
+        results[name] = timer.time((name, mode, q.shape[3]), length, make, compiled=name in compiled,
+                                   graphable=not backward)[0]
     return results
 
 
@@ -474,7 +478,7 @@ def decode_inputs(timer: Timer, cache_len: int, head_dim: int):
         except RuntimeError as error:
             timer.dead[key] = describe(error)
     dense, _ = timer.time(key, cache_len, lambda: functools.partial(sdpa, q, k, v, backend, causal=False), power=1,
-                          decode=True)
+                          graphable=True)
     dense["backend"] = backend
     return q, k, v, dense
 

@@ -322,7 +322,8 @@ def prefill_rows(bench: Bench, mode: str, q, k, v) -> list[dict]:
                 proto = functools.partial(prototype_same_group, groups=groups, num_groups=num_groups)
                 baselines["prototype"] = bench.time(
                     ("prototype", *key), length,
-                    lambda: forward_backward(proto, q, k, v) if backward else functools.partial(proto, q, k, v))[0]
+                    lambda: forward_backward(proto, q, k, v) if backward else functools.partial(proto, q, k, v),
+                    graphable=not backward)[0]
             rows.append(focus_row(bench, mode, q, k, groups, num_groups, top_k, focus, checked, baselines))
             print(format_row(rows[-1]), flush=True)
             for extra in c.extra_backends:
@@ -349,7 +350,7 @@ def time_focus(bench: Bench, extra: Optional[str], mode: str, q, k, v, groups, n
         checked = bench.backward_verdict(dim, num_groups, top_k, extra)
         return bench.time_backward(key, length, lambda: forward_backward(attn, q, k, v), checked), checked
     rows_checked = sample_rows(length, c.window, c.gate_rows, c.seed)
-    return bench.time(key, length, lambda: functools.partial(attn, q, k, v),
+    return bench.time(key, length, lambda: functools.partial(attn, q, k, v), graphable=True,
                       gate=lambda out: check_rows(out, q, k, v, groups, rows_checked, c.window))
 
 
@@ -366,7 +367,7 @@ def decode_rows(bench: Bench, cache_len: int, head_dim: int) -> list[dict]:
             cached = FocusGroups.of(groups, 1, cache_len, bench.device)
             focus, checked = bench.time(
                 ("focus", DECODE, head_dim, num_groups, top_k), cache_len,
-                lambda: functools.partial(bench.focus_fn, q, k, v, cached), power=1, decode=True,
+                lambda: functools.partial(bench.focus_fn, q, k, v, cached), power=1, graphable=True,
                 gate=lambda out: check_rows(out, q, k, v, groups, torch.tensor([0]), c.window))
             rows.append(focus_row(bench, DECODE, q, k, groups, num_groups, top_k, focus, checked,
                                   {"sdpa": dense}))

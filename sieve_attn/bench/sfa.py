@@ -242,7 +242,8 @@ def dense_prefill(bench: Bench, mode: str, q, k, v) -> dict:
         blocker = cuda_core_blocker(q)
         if blocker:
             bench.dead.setdefault(key, blocker)
-        results["cuda-core"] = bench.time(key, q.shape[2], lambda: functools.partial(cuda_core, q, k, v))[0]
+        results["cuda-core"] = bench.time(key, q.shape[2], lambda: functools.partial(cuda_core, q, k, v),
+                                          graphable=True)[0]
     return results
 
 
@@ -270,7 +271,7 @@ def prefill_rows(bench: Bench, mode: str, q, k, v) -> list[dict]:
             sfa = bench.time_backward(key, length, lambda: forward_backward(attn, q, k, v), checked)
         else:
             rows_checked = sample_rows(length, EARLY_ROWS, c.gate_rows, c.seed)
-            sfa, checked = bench.time(key, length, lambda: functools.partial(attn, q, k, v),
+            sfa, checked = bench.time(key, length, lambda: functools.partial(attn, q, k, v), graphable=True,
                                       gate=lambda out: check_rows(out, q, k, v, topk, rows_checked))
         rows.append(sfa_row(bench, mode, q, k, topk, sfa, checked, dense))
         print(format_row(rows[-1]), flush=True)
@@ -292,7 +293,7 @@ def decode_rows(bench: Bench, cache_len: int, head_dim: int) -> list[dict]:
         # The cache is filled while the call is made, untimed: a decoder appends each token once, when it comes.
         sfa, checked = bench.time(
             ("sfa", DECODE, head_dim, topk), cache_len,
-            lambda: functools.partial(bench.decode_fn, q, filled_cache(k, v, topk)), power=1, decode=True,
+            lambda: functools.partial(bench.decode_fn, q, filled_cache(k, v, topk)), power=1, graphable=True,
             gate=lambda result: check_rows(result[0], q, k, v, topk, torch.tensor([0])))
         rows.append(sfa_row(bench, DECODE, q, k, topk, sfa, checked, {"sdpa": dense}))
         print(format_row(rows[-1]), flush=True)

@@ -189,14 +189,15 @@ def merge_indexed_triton(out, lse, part_out, part_lse, index, result=None, *, su
         *out.stride()[:3], *lse.stride(), *part_out.stride()[:3], *part_lse.stride(), *sub_out.stride()[:3],
         *sub_lse.stride(), *target.stride()[:3], *result_lse.stride(), dim,
         PARTS=columns.shape[1], SUBTRACT=subtracted is not None, ROWS=_MERGE_ROWS,
-        BLOCK_D=triton.next_power_of_2(dim))
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=_MERGE_WARPS)
     if target is not result_out:
         result_out.copy_(target)
     return result_out, result_lse
 
 
-# Query rows per program of the merge kernel (one head each).
-_MERGE_ROWS = 32
+# Query rows per program of the merge kernel (one head each), and its warps: the fastest plan of the v13 probe at
+# 64K tokens, 8 heads (benchmarks/results/focus_h200/NOTES.md), within 5% of the best for one and for three parts.
+_MERGE_ROWS, _MERGE_WARPS = 16, 2
 
 
 @jit

@@ -180,7 +180,7 @@ def test_half_copies_are_exact_and_in_range():
     q = (torch.randn(2, 3, 40, 16, generator=gen) * 3e3).to(DEVICE, torch.bfloat16)
     k = (torch.randn(2, 1, 40, 16, generator=gen) * torch.logspace(-9, 0, 16)).to(DEVICE, torch.bfloat16)
     v = torch.zeros(2, 1, 40, 16, dtype=torch.bfloat16, device=DEVICE)
-    calls = decomposed.CallInputs.half_copies(q, k, v, 0.25)
+    calls = decomposed.CallInputs.queue_half_copies(q, k, v, 0.25)()
     layout = SortedGroups.of(make_groups(2, 40, 3, 2, seed=0, sink=False), num_groups=3)
     copies = calls.pack(layout, q, k, v)
     for original, copy, factor in zip((q, k, v), copies, calls.factors):

@@ -14,9 +14,9 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
     Exact in exact arithmetic. The rounded partials of a query's three calls enter the merge with weights summing
     to 1 + 2 d, where d is the query's share of softmax mass on keys of its own pair of groups (up to 1 early in a
     sequence, where its own key dominates): with bf16 partials that broke the tests' precision rule, so bf16
-    inputs run these calls on float16 copies (:meth:`CallInputs.half_copies`, made as they are packed), 3 more bits
-    per partial. The backward needs no subtraction: the Triton kernels' on CUDA (each pair once, from the final
-    output and log-sum-exp), the masked calls' on the CPU.
+    inputs run these calls on float16 copies (:meth:`CallInputs.queue_half_copies`, made as they are packed), 3
+    more bits per partial. The backward needs no subtraction: the Triton kernels' on CUDA (each pair once, from the
+    final output and log-sum-exp), the masked calls' on the CPU.
   - Otherwise with several memberships (the lowest-shared-group rule), or not causal (padded keys would be seen):
     masked calls over chunks of query slots (the memory-efficient kernel's additive bias on CUDA, the CPU op's
     attn_mask).
@@ -28,11 +28,11 @@ disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`
     never T x T.
 
 Together the sets are exactly the pattern, so merging their partial results (out, lse) by log-sum-exp, with those of
-a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite. The window
-kernel is queued first, on a side stream (:class:`~sieve_attn.ops.side_stream.SideStream`): it needs no sorted
-layout, so the device works on it while the host sorts the layouts, waits for their sizes (one host read each) and
-launches the group set. One kernel then merges each token's partials: the window's, one per copy and, in
-inclusion-exclusion, the subtracted one (:func:`~sieve_attn.ops.merge.merge_indexed`).
+a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite. The host
+queues first what it must read (the layouts' sorts, each ending in one read of its sizes, and the largest
+magnitudes of the float16 copies), then the window kernel: it needs no sorted layout, so the device works on it
+while the host waits for those reads and launches the group set. One kernel then merges each token's partials: the window's, one per copy and, in inclusion-exclusion, the subtracted one
+(:func:`~sieve_attn.ops.merge.merge_indexed`).
 
 Backward (the FlashAttention-2 identity): given the final output O and log-sum-exp L of each query, a pair's gradient
 depends only on that pair: P_ij = exp(s_ij - L_i), dS_ij = P_ij (dO_i . v_j - dO_i . O_i). So each fused call's own
@@ -50,13 +50,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from ..gather import gather_rows
 from ..merge import merge_indexed
-from ..side_stream import SideStream
 from ..triton_common import kernel_blocker, on_device_of
 from .groups import FocusGroups
 from .sdpa_ops import causal_call, masked_family
@@ -306,18 +305,24 @@ class CallInputs:
         return cls((1.0, 1.0, 1.0), None, scale)
 
     @classmethod
-    def half_copies(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> "CallInputs":
+    def queue_half_copies(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float) -> Callable[[], "CallInputs"]:
         """bfloat16 q, k, v as float16 copies scaled by powers of two, q by 2^a, k by 2^b, v by 2^c, the logit scale
         by 2^-(a+b), so that each copy's largest magnitude lies in [2^13, 2^14) (float16 ends at 65504). The logits
         are unchanged and the outputs are 2^c times the true ones. A bfloat16 value down to 2^-28 of its tensor's
         largest is exact in float16 (smaller ones round to float16's subnormals, an error below 2^-38 of that
-        largest), and float16 outputs carry 11 significant bits to bfloat16's 8. Reads the three largest
-        magnitudes (one host read)."""
-        largest = torch.stack([torch.linalg.vector_norm(t, float("inf")).float() for t in (q, k, v)]).tolist()
-        # at most 2^100, so that the factors stay float32 numbers for the tiniest tensors (their smallest values
-        # then round to float16's subnormals)
-        a, b, c = (min(14 - math.frexp(m)[1], 100) if 0 < m < math.inf else 0 for m in largest)
-        return cls((2.0 ** a, 2.0 ** b, 2.0 ** c), torch.float16, scale * 2.0 ** -(a + b))
+        largest), and float16 outputs carry 11 significant bits to bfloat16's 8.
+
+        Queues the three largest magnitudes and their copy to the host; the returned function waits for that one
+        read and gives the CallInputs."""
+        read = _read_later(torch.stack([torch.linalg.vector_norm(t, float("inf")).float() for t in (q, k, v)]))
+
+        def finish() -> "CallInputs":
+            # at most 2^100, so that the factors stay float32 numbers for the tiniest tensors (their smallest values
+            # then round to float16's subnormals)
+            a, b, c = (min(14 - math.frexp(m)[1], 100) if 0 < m < math.inf else 0 for m in read())
+            return cls((2.0 ** a, 2.0 ** b, 2.0 ** c), torch.float16, scale * 2.0 ** -(a + b))
+        return finish
 
     def pack(self, layout: "SortedGroups", q, k, v) -> list[torch.Tensor]:
         """q, k, v [B, H, T, D] in ``layout``: [S, H, L, D] each."""
@@ -468,8 +473,8 @@ class _Plan:
         self.causal_family = None
         self.saved: dict = {}
 
-    # The layouts are sorted at first use: the forward queues the window kernel first (on a side stream), so that
-    # the device computes it while the host queues the sorting; each layout then reads its sizes once.
+    # The layouts are sorted at first use; the forward queues every sort before the window kernel (module
+    # docstring), and each layout then reads its sizes once.
 
     @functools.cached_property
     def _sorting(self) -> "_SortInFlight":
@@ -498,40 +503,39 @@ class _Plan:
     def forward(self, q, k, v):
         """(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32, float64 for float64 inputs)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
-        with SideStream(q.device) as side:
-            window = None
-            if self.window_kernel is not None:
-                # The window set needs no sorted layout: queued first, on a side stream, the device computes it
-                # while the host queues the sorting, waits for the layouts' sizes and launches the group set.
-                # With one membership per token in q's dtype, as the group set's partial: the merge reads half the
-                # bytes of float32, and a convex combination of two partials rounded once each errs no more than
-                # the larger of their roundings (before the result's own rounding). Several memberships: float32
-                # (three partials). Its buffers come from the current stream (SideStream).
-                window = self.window_kernel.empty_result(q, dtype if self.multi else q.dtype)
-                side.run(self.window_kernel.forward, q, k, v, result=window)
-            if window is not None and not self.multi:
-                out_s, lse_s = self._group_forward(q, k, v, CallInputs.plain(self.scale))
-                side.join()
-                return merge_indexed(*window, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
-            self._sorting, self._pair_sorting  # both layouts sorted before either size is read
-            calls, subtracted = CallInputs.plain(self.scale), None
-            if self.subtracts and q.dtype == torch.bfloat16:
-                # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on
-                # float16 copies, whose outputs carry 3 more bits.
-                calls = CallInputs.half_copies(q, k, v, self.scale)
-            out_s, lse_s = self._group_forward(q, k, v, calls)
-            if self.pairs is not None:
-                subtracted = (*self._pair_forward(q, k, v, calls), self.pairs.entry_slots())
-            if window is not None:
-                base = window
-            elif self.blocks:
-                base = self._window_forward(q, k, v)
-            else:  # an empty partial: lse -inf, so its values are never weighed
-                base = q.new_zeros(q.shape), q.new_full(q.shape[:3], float("-inf"), dtype=dtype)
-            result = torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:3], dtype=dtype)
-            side.join()
-            return merge_indexed(*base, out_s, lse_s, self.sorted.entry_slots(), result, subtracted=subtracted,
-                                 part_unit=calls.value_unit)
+        # What the host reads is queued first: the largest magnitudes (for inclusion-exclusion on bf16) and the
+        # layouts' sorts, each ending in one read of its sizes. The window kernel, queued next, needs no layout and
+        # fills the device while the host waits for those reads (which wait for their own small kernels only) and
+        # launches the group set. (On a side stream, beside the group set, it measured slower: v13 in
+        # benchmarks/results/focus_h200/NOTES.md.)
+        if self.subtracts and q.dtype == torch.bfloat16:
+            # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on float16
+            # copies, whose outputs carry 3 more bits.
+            calls = CallInputs.queue_half_copies(q, k, v, self.scale)
+        else:
+            calls = functools.partial(CallInputs.plain, self.scale)
+        self._sorting, self._pair_sorting
+        if self.window_kernel is not None:
+            # With one membership per token in q's dtype, as the group set's partial: the merge reads half the bytes
+            # of float32, and a convex combination of two partials rounded once each errs no more than the larger of
+            # their roundings (before the result's own rounding). Several memberships: float32 (three partials).
+            base = self.window_kernel.forward(q, k, v, dtype if self.multi else q.dtype)
+        elif self.blocks:
+            base = None  # masked calls, after the group set's
+        else:  # an empty partial: lse -inf, so its values are never weighed
+            base = q.new_zeros(q.shape), q.new_full(q.shape[:3], float("-inf"), dtype=dtype)
+        calls = calls()
+        out_s, lse_s = self._group_forward(q, k, v, calls)
+        if base is None:
+            base = self._window_forward(q, k, v)
+        if not self.multi:
+            return merge_indexed(*base, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
+        subtracted = None
+        if self.pairs is not None:
+            subtracted = (*self._pair_forward(q, k, v, calls), self.pairs.entry_slots())
+        result = torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:3], dtype=dtype)
+        return merge_indexed(*base, out_s, lse_s, self.sorted.entry_slots(), result, subtracted=subtracted,
+                             part_unit=calls.value_unit)
 
     def backward(self, q, k, v, out, lse, grad_out):
         """(dq, dk, dv) in the inputs' dtypes, from the final out and lse of :meth:`forward`. After an

@@ -39,10 +39,12 @@ _EMPTY_MAX = tl.constexpr(-1.0e30)
 
 @dataclass(frozen=True)
 class Tiling:
-    """Tile sizes: ``layout`` slots per layout tile; forward query x key tiles; backward tiles (dq and dk/dv)."""
+    """Tile sizes: ``layout`` slots per layout tile; forward query x key tiles (the window set's query tiles are
+    ``window_m``); backward tiles (dq and dk/dv)."""
 
     layout: int
     fwd_m: int
+    window_m: int
     fwd_n: int
     bwd: int
     fwd_warps: int
@@ -53,11 +55,15 @@ class Tiling:
 
 def tiling(device: torch.device) -> Tiling:
     """Tiles measured best on the H200 (benchmarks/results/focus_h200/NOTES.md: fwd 128 x 64 with 4 warps, bwd 64 x 64
-    with 4 warps); in the interpreter small tiles that still exercise several key steps per query tile and several
-    sub-tiles per layout tile."""
+    with 4 warps). The window set's query tiles are 64 rows: it has only 3 to 4 key steps per tile, so it gains from
+    more programs per SM (v13: 0.30 against 0.53 ms at 64K tokens, 8 heads) where the long group loops do not. In the
+    interpreter small tiles that still exercise several key steps per query tile and several sub-tiles per layout
+    tile."""
     if device.type == "cuda":
-        return Tiling(layout=128, fwd_m=128, fwd_n=64, bwd=64, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=2)
-    return Tiling(layout=32, fwd_m=32, fwd_n=16, bwd=16, fwd_warps=4, bwd_warps=4, fwd_stages=1, bwd_stages=1)
+        return Tiling(layout=128, fwd_m=128, window_m=64, fwd_n=64, bwd=64, fwd_warps=4, bwd_warps=4, fwd_stages=3,
+                      bwd_stages=2)
+    return Tiling(layout=32, fwd_m=32, window_m=16, fwd_n=16, bwd=16, fwd_warps=4, bwd_warps=4, fwd_stages=1,
+                  bwd_stages=1)
 
 
 @triton.jit
@@ -381,12 +387,13 @@ class _Kernels:
             extra = (out.new_empty(1, heads, q.shape[3], dtype=torch.float32),
                      lse.new_empty(1, heads, dtype=torch.float32))
         init_out, init_lse = init if init is not None else (out, lse)  # unread without init
-        _fwd_kernel[(layout.num_tiles * self.tiles.layout // self.tiles.fwd_m, heads)](
+        block_m = self.tiles.window_m if window_set else self.tiles.fwd_m
+        _fwd_kernel[(layout.num_tiles * self.tiles.layout // block_m, heads)](
             q, k, v, self.bits, layout.slot_token, layout.slot_extra, layout.tile_batch, layout.tile_lower,
             layout.tile_seg_start, layout.tile_seg_end, init_out, init_lse, out, lse, *extra,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(init_out), *self._scalars(q),
             HAS_INIT=init is not None,
-            BLOCK_M=self.tiles.fwd_m, BLOCK_N=self.tiles.fwd_n, num_warps=self.tiles.fwd_warps,
+            BLOCK_M=block_m, BLOCK_N=self.tiles.fwd_n, num_warps=self.tiles.fwd_warps,
             num_stages=self.tiles.fwd_stages, **self._meta(q, window_set, multi))
 
     def _launch_backward(self, layout, window_set, multi, q, k, v, grad_out, lse, delta, dq, dk, dv):
@@ -427,20 +434,14 @@ class WindowSet(_Kernels):
     """The window set alone (local pairs that share no group), for a backend that computes the group set otherwise
     (:mod:`.decomposed` on CUDA). ``bits`` [B, T] are the tokens' group bit sets (ids < ``num_groups`` <= 63)."""
 
-    @staticmethod
-    def empty_result(q, dtype=torch.float32):
-        """Buffers of :meth:`forward`'s result: (out [B, Hq, T, D] in ``dtype``, token-major in memory ([B, T, Hq,
-        D]), lse [B, Hq, T] float32)."""
-        batch, heads, length, dim = q.shape
-        return (torch.empty(batch, length, heads, dim, dtype=dtype, device=q.device).transpose(1, 2),
-                torch.empty(batch, heads, length, dtype=torch.float32, device=q.device))
-
-    def forward(self, q, k, v, dtype=torch.float32, result=None):
+    def forward(self, q, k, v, dtype=torch.float32):
         """The window set's partial result: (out [B, Hq, T, D] in ``dtype``, laid out token-major ([B, T, Hq, D] in
-        memory), lse [B, Hq, T] float32), written into ``result`` (from :meth:`empty_result`) when given; a query
-        none of whose window keys is in the set (the first token, say) gets out 0 and lse -inf."""
+        memory), lse [B, Hq, T] float32); a query none of whose window keys is in the set (the first token, say)
+        gets out 0 and lse -inf."""
+        batch, heads, length, dim = q.shape
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out, lse = result if result is not None else self.empty_result(q, dtype)
+        out = torch.empty(batch, length, heads, dim, dtype=dtype, device=q.device).transpose(1, 2)
+        lse = torch.empty(batch, heads, length, dtype=torch.float32, device=q.device)
         self._launch_forward(self.window_layout, True, False, q, k, v, None, out, lse)
         return out, lse
 
