@@ -168,3 +168,18 @@ def test_extra_backends_are_only_those_asked_for():
         "sdpa", "triton")
     with pytest.raises(SystemExit):
         extra("--backends", "cudnn")
+
+
+def test_backend_used_asks_with_gradients_in_forward_backward_rows(monkeypatch):
+    """auto weighs whether gradients are needed (attention.SDPA_FROM), so a forward+backward row asks about a q that
+    requires them and a forward row about one that does not."""
+    from sieve_attn.bench import focus as bench_focus
+    seen = []
+    monkeypatch.setattr(bench_focus.focus_ops, "focus_backend",
+                        lambda q, k, groups, **kwargs: seen.append(q.requires_grad) or ("triton", "why"))
+    bench = bench_focus.Bench(BenchConfig(device="cpu"))
+    q = torch.randn(1, 2, 16, 8)
+    groups = torch.zeros(1, 16, dtype=torch.long)
+    for mode in ("forward", "forward+backward", "decode"):
+        assert bench.backend_used(q, q, groups, mode) == ("triton", "why")
+    assert seen == [False, True, False] and not q.requires_grad

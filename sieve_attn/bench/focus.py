@@ -252,13 +252,15 @@ class Bench(Timer):
             self.fns[None] = focus_fn
         self.focus_fn = self.fns[None]
 
-    def backend_used(self, q, k, groups, extra: Optional[str] = None) -> tuple[str, Optional[str]]:
-        """(backend, reason) that focus_attention resolves to for the configured backend (or ``extra``), when the op
-        can say; else (the requested one, None). A backend that cannot serve the call reads "unavailable" with the
-        op's reason."""
+    def backend_used(self, q, k, groups, mode: str, extra: Optional[str] = None) -> tuple[str, Optional[str]]:
+        """(backend, reason) that focus_attention resolves to for the configured backend (or ``extra``) in ``mode``
+        (forward+backward asks gradients of q, k, v, which ``auto`` weighs), when the op can say; else (the requested
+        one, None). A backend that cannot serve the call reads "unavailable" with the op's reason."""
         requested = extra or self.config.backend
         if not hasattr(focus_ops, "focus_backend"):
             return requested, None
+        if mode == BACKWARD:
+            q = q.detach().requires_grad_()
         try:
             return focus_ops.focus_backend(q, k, groups, causal=True, backend=requested)
         except ValueError as error:
@@ -290,7 +292,7 @@ def focus_row(bench: Bench, mode: str, q, k, groups, num_groups: int, top_k: int
               checked: Optional[Verdict], baselines: dict, extra: Optional[str] = None) -> dict:
     """One result row (of the configured backend, or of the extra backend ``extra``, named in ``extra_backend``);
     ``correct`` is None when the Focus call never got to its gate."""
-    backend, reason = bench.backend_used(q, k, groups, extra)
+    backend, reason = bench.backend_used(q, k, groups, mode, extra)
     row = {**row_fields(mode, q, k, checked), "num_groups": num_groups, "top_k": top_k,
            "window": bench.config.window, "focus_backend": backend, "focus_backend_reason": reason, "focus": focus,
            "baselines": baselines, "speedup": speedups(focus, baselines)}

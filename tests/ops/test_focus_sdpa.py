@@ -172,6 +172,25 @@ def test_gradients_summed_over_calls_keep_the_rule(num_groups, seed):
                             sink=False, seed=seed)
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_float64_keeps_float64_log_sum_exp_and_gradients(slots):
+    """float64 inputs (the reference's precision) keep float64 through the plan, with one membership per token as
+    with two: the output, and the gradients, which are computed from the plan's own log-sum-exp (the one returned is
+    float32, as documented). A float32 log-sum-exp inside would put the gradients about 1e-6 off."""
+    if DEVICE != "cpu":
+        pytest.skip("float64 runs the reference on CUDA (the fused kernels take 16- and 32-bit inputs)")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 37, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    groups = make_groups(2, 37, 3, slots, seed=1, sink=False)
+    out, lse = focus_attention(q, k, v, groups, window=5, backend="sdpa", return_lse=True)
+    ref_out, ref_lse = focus_attention(q, k, v, groups, window=5, backend="reference", return_lse=True)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float32
+    assert (out - ref_out).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-5
+    got, want = run_backend(q, k, v, groups, "sdpa", window=5), run_backend(q, k, v, groups, "reference", window=5)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float64 and (a - b).abs().max() < 1e-12
+
+
 def test_half_copies_are_exact_and_in_range():
     """bfloat16 q, k, v scaled by powers of two into float16 as they are packed: every value down to 2^-28 of its
     tensor's largest comes back exactly, the largest lies in [2^13, 2^14), the logit scale compensates, a zero

@@ -161,27 +161,36 @@ def test_explicit_triton_refuses_what_it_cannot_compute():
 
 
 def test_auto_takes_the_batched_group_call_for_long_groups_on_cuda():
-    """A CUDA stand-in (the dispatch reads shapes, devices and dtypes only): one group per token, causal, and at least
-    GROUP_CALL_FROM tokens per group go to the decomposition, and with two groups per token at least PAIRS_CALL_FROM;
-    shorter groups, three groups per token, non-causal calls and softcap stay with the Triton kernels."""
+    """A CUDA stand-in (the dispatch reads shapes, devices and dtypes only): causal calls with one or two groups per
+    token go to the decomposition from SDPA_FROM's tokens per group and tokens, which differ with and without
+    gradients; shorter groups or sequences, three groups per token, non-causal calls and softcap stay with the
+    Triton kernels."""
     def stand_in(length):
         return SimpleNamespace(shape=(1, 8, length, 128), device=torch.device("cuda"), dtype=torch.bfloat16)
 
-    def pick(length, num_groups=8, memberships=1, causal=True, softcap=None):
+    def pick(length, num_groups=8, memberships=1, causal=True, softcap=None, needs_grad=False):
         return attention._resolve(stand_in(length), stand_in(length), num_groups, memberships, causal=causal,
-                                  softcap=softcap, attn_mask=None, backend="auto", return_lse=False)
+                                  softcap=softcap, attn_mask=None, backend="auto", return_lse=False,
+                                  needs_grad=needs_grad)
 
-    long = attention.GROUP_CALL_FROM * 8
-    name, why = pick(long)
-    assert name == "sdpa" and "GROUP_CALL_FROM" in why
-    assert pick(long - 8)[0] == "triton"  # one token short of the threshold in each group
-    pairs_long = attention.PAIRS_CALL_FROM * 8
-    name, why = pick(pairs_long, memberships=2)
-    assert name == "sdpa" and "PAIRS_CALL_FROM" in why and "inclusion-exclusion" in why
-    assert pick(pairs_long - 8, memberships=2)[0] == "triton"
-    assert pick(pairs_long, memberships=3)[0] == "triton"
+    for memberships in (1, 2):
+        for needs_grad in (False, True):
+            per_group, tokens = attention.SDPA_FROM[(memberships, needs_grad)]
+            groups = max(8, tokens // per_group)  # the shortest such sequence of at least 8 groups
+            length = per_group * groups
+            name, why = pick(length, groups, memberships, needs_grad=needs_grad)
+            assert name == "sdpa" and "SDPA_FROM" in why, (memberships, needs_grad, why)
+            assert ("inclusion-exclusion" in why) == (memberships == 2)
+            # one token short in each group, then long groups in too short a sequence
+            assert pick(length - groups, groups, memberships, needs_grad=needs_grad)[0] == "triton"
+            if length == tokens:
+                assert pick(length // 2, groups // 2, memberships, needs_grad=needs_grad)[0] == "triton"
+    long = attention.SDPA_FROM[(1, False)][1]
+    assert pick(long, memberships=3)[0] == "triton"
     assert pick(long, causal=False)[0] == "triton"
     assert pick(long, softcap=30.0)[0] == "triton"
+    # v14's measured case: 4K tokens per group in 32K tokens takes the Triton kernels forward, cuDNN for training
+    assert pick(32768)[0] == "triton" and pick(32768, needs_grad=True)[0] == "sdpa"
 
 
 def test_auto_says_what_it_picks():

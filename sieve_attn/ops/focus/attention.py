@@ -11,17 +11,17 @@ Backends of the hard pattern (:func:`focus_attention`):
   backward by the Triton kernels on CUDA); masked calls with more memberships or not causal; the cross-group
   window pairs by the Triton window kernel on CUDA (masked calls elsewhere); merged by log-sum-exp. Tq == Tk, no
   softcap or attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token from
-  4K tokens per group (H200, top-1, x cuDNN, v8: 64K K=8 4.86x against the Triton kernels' 3.82x, 1M K=8 8.76x
-  against 6.40x, 1M K=16 17.46x against 12.48x, in one run; with the window partial in bf16, 64K K=8 5.09x, 1M
-  9.16x), and for two from 4K (v11, forward: 64K K=8 1.41x against 0.87x, 256K K=8 2.07x against 1.21x, K=16
-  4.02x against 2.29x); slower with shorter groups.
+  8K tokens per group in 64K tokens (forward; with gradients from 4K per group in 32K) (H200, top-1, x cuDNN, v13:
+  64K K=8 5.14-5.76x against the Triton kernels' 4.18-4.40x; v8: 1M K=8 8.76x against 6.40x, 1M K=16 17.46x
+  against 12.48x), and for two from 4K per group (v13, forward: 64K K=8 1.51-1.55x against 0.87-0.93x; v11: 256K
+  K=8 2.07x against 1.21x); slower with shorter groups and sequences (``SDPA_FROM``).
 - ``"flex"``: the same decomposition with FlexAttention (:mod:`.flex`), compiled on CUDA; Tq == Tk, group ids < 63,
   softcap through a score_mod; gradients by autograd on CUDA (its tests, tiny shapes with gradients, passed on the
   H200; not timed), forward only on the CPU.
-``"auto"`` on CUDA takes ``"dense"`` below ``DENSE_BELOW`` keys, ``"sdpa"`` for causal prefill with one group per
-token and at least ``GROUP_CALL_FROM`` tokens per group (two groups: ``PAIRS_CALL_FROM``), and the Triton kernels
-otherwise (decoding included); the reference elsewhere. It never takes ``"flex"``, which serves only when asked
-for. :func:`focus_backend` says which backend a call would use and why.
+``"auto"`` on CUDA takes ``"dense"`` below ``DENSE_BELOW`` keys, ``"sdpa"`` for causal prefill with one or two
+groups per token from the group and sequence lengths of ``SDPA_FROM`` (shorter ones when gradients are needed: its
+backward is cuDNN's too), and the Triton kernels otherwise (decoding included); the reference elsewhere. It never
+takes ``"flex"``, which serves only when asked for. :func:`focus_backend` says which backend a call would use and why.
 """
 from __future__ import annotations
 
@@ -43,18 +43,21 @@ from .reference import focus_attention_reference, focus_pair_mask, focus_soft_at
 # (benchmarks/results/focus_h200/v8, K=8): 0.91 vs 1.18 ms at 4K (top-1), 0.81 vs 1.35 (top-2); at 8K the Triton
 # kernels win, 1.22 vs 2.65 ms (top-1) and 1.16 vs 2.46 (top-2). Both are host-bound there.
 DENSE_BELOW = 8192
-# Tokens per group (T / K) from which auto takes the decomposition for one group per token, causal: its group set is
-# one batched cuDNN call, faster than the Triton group kernel from groups of 4K tokens. H200, v7 (x cuDNN, sdpa vs
-# triton; forward, then forward+backward): 1K per group 0.44 vs 0.61x, 0.75 vs 1.17x; 2K 0.41 vs 0.57x, 0.77 vs
-# 0.94x; 4K 4.91 vs 4.67x, 4.65 vs 4.46x; 8K 3.79 vs 3.25x, 3.74 vs 3.23x; 16K 15.18 vs 11.85x; 32K 8.81 vs 6.49x;
-# 64K 19.15 vs 13.48x; 128K 9.27 vs 6.86x.
-GROUP_CALL_FROM = 4096
-# The same for two groups per token (inclusion-exclusion: two batched cuDNN calls, the Triton backward). H200, v11
-# (forward, x cuDNN, sdpa vs triton, the bench's default groups): 2K per group (32K, K=16) 1.11 vs 1.05x; 4K (32K,
-# K=8) 0.87 vs 0.67x, (64K, K=16) 2.19 vs 1.52x; 8K (64K, K=8) 1.41 vs 0.87x; 16K (256K, K=16) 4.02 vs 2.29x; 32K
-# (256K, K=8) 2.07 vs 1.21x. At 1K per group (8K, K=8) the host-bound sdpa call took 4.0 ms against 1.55 ms, so
-# auto starts at 4K rather than at the 2K where it first won.
-PAIRS_CALL_FROM = 4096
+# Where auto takes the decomposition (causal prefill) over the Triton kernels: (tokens per group T / K, tokens T) it
+# needs at least, by (group slots per token, gradients needed). Its group set is one batched cuDNN call (two for two
+# groups per token); its host work, about 1 ms, pays off only on long enough calls.
+# - One group per token, H200, v14 (benchmarks/results/focus_h200/v14, two runs each, x cuDNN, sdpa vs triton).
+#   Forward: 4K per group at 16K / 32K / 64K tokens 0.31-0.43 vs 0.63-0.78x, 1.12-1.75 vs 2.17-2.46x, 4.90-5.68 vs
+#   6.92-6.94x; 8K per group at 32K 1.16-1.51 vs 1.77-1.79x, at 64K 4.65-5.61 vs 4.32-4.33x; 16K at 64K 3.30-3.50 vs
+#   2.42-2.44x. Forward+backward (the decomposition's backward is cuDNN's too): 4K per group at 16K / 32K / 64K
+#   0.62-0.71 vs 0.84-1.11x, 2.37-2.56 vs 2.53-2.55x (even), 5.97-6.11 vs 5.25-5.26x; 8K at 32K 1.80-2.08 vs
+#   1.73-1.75x; 2K per group always the Triton kernels (16K 0.64-0.66 vs 1.21-1.34x). Longer groups and sequences
+#   gain more (v7: 16K per group at 256K 15.18 vs 11.85x, 128K per group at 1M 9.27 vs 6.86x).
+# - Two groups per token (inclusion-exclusion, the Triton backward), v11 (forward, the bench's default groups): 2K
+#   per group (32K, K=16) 1.11 vs 1.05x; 4K (32K, K=8) 0.87 vs 0.67x, (64K, K=16) 2.19 vs 1.52x; 8K (64K, K=8) 1.41
+#   vs 0.87x; 32K (256K, K=8) 2.07 vs 1.21x. At 1K per group (8K, K=8) the host-bound sdpa call took 4.0 ms against
+#   1.55 ms, so auto starts at 4K rather than at the 2K where it first won.
+SDPA_FROM = {(1, False): (8192, 65536), (1, True): (4096, 32768), (2, False): (4096, 0), (2, True): (4096, 0)}
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")
@@ -194,17 +197,15 @@ def _resolve(q, k, num_groups, memberships, *, causal, softcap, attn_mask, backe
         return "dense", f"{k.shape[2]} keys < DENSE_BELOW={DENSE_BELOW}: dense SDPA with the pattern mask is faster"
     if q.device.type != "cuda":
         return "reference", "not on a CUDA device"
-    group_length = k.shape[2] // max(num_groups, 1)
-    # (tokens per group from which it wins, its name, what it runs); beyond two groups per token the decomposition
-    # takes masked calls, never the faster
-    threshold, name, calls = {
-        1: (GROUP_CALL_FROM, "GROUP_CALL_FROM", "one batched cuDNN call for the groups"),
-        2: (PAIRS_CALL_FROM, "PAIRS_CALL_FROM",
-            "two batched cuDNN calls for the groups (inclusion-exclusion) and the Triton backward"),
-    }.get(memberships, (None, None, None))
-    if (threshold is not None and q.shape[2] == k.shape[2] and causal and group_length >= threshold
-            and sdpa_blocker(q, k, softcap, attn_mask) is None):
-        return "sdpa", (f"{memberships} group(s) per token, {group_length} tokens per group >= {name}={threshold}: "
+    length, group_length = k.shape[2], k.shape[2] // max(num_groups, 1)
+    # beyond two groups per token the decomposition takes masked calls, never the faster
+    threshold = SDPA_FROM.get((memberships, bool(needs_grad)))
+    calls = {1: "one batched cuDNN call for the groups",
+             2: "two batched cuDNN calls for the groups (inclusion-exclusion) and the Triton backward"}.get(memberships)
+    if (threshold is not None and q.shape[2] == length and causal and group_length >= threshold[0]
+            and length >= threshold[1] and sdpa_blocker(q, k, softcap, attn_mask) is None):
+        return "sdpa", (f"{memberships} group(s) per token, {'with' if needs_grad else 'without'} gradients: "
+                        f"{group_length} tokens per group and {length} tokens reach SDPA_FROM's {threshold}, where "
                         f"{calls} are faster")
     return "triton", "decode step" if q.shape[2] < k.shape[2] else f"{k.shape[2]} keys >= DENSE_BELOW"
 

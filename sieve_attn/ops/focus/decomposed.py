@@ -31,8 +31,9 @@ Together the sets are exactly the pattern, so merging their partial results (out
 a token's copies, is exact. A query's own pair lies in its lowest group, so its log-sum-exp is finite. The host
 queues first what it must read (the layouts' sorts, each ending in one read of its sizes, and the largest
 magnitudes of the float16 copies), then the window kernel: it needs no sorted layout, so the device works on it
-while the host waits for those reads and launches the group set. One kernel then merges each token's partials: the window's, one per copy and, in inclusion-exclusion, the subtracted one
-(:func:`~sieve_attn.ops.merge.merge_indexed`).
+while the host waits for those reads and launches the group set (without the kernel, on the CPU say, masked calls
+compute the window set after the group set). One kernel then merges each token's partials: the window's, one per
+copy and, in inclusion-exclusion, the subtracted one (:func:`~sieve_attn.ops.merge.merge_indexed`).
 
 Backward (the FlashAttention-2 identity): given the final output O and log-sum-exp L of each query, a pair's gradient
 depends only on that pair: P_ij = exp(s_ij - L_i), dS_ij = P_ij (dO_i . v_j - dO_i . O_i). So each fused call's own
@@ -472,30 +473,28 @@ class _Plan:
         self.masked = masked_family(q.device)
         self.causal_family = None
         self.saved: dict = {}
+        self._sorting = self._pair_sorting = None  # queued by the forward (_queue_sorts)
 
-    # The layouts are sorted at first use; the forward queues every sort before the window kernel (module
-    # docstring), and each layout then reads its sizes once.
-
-    @functools.cached_property
-    def _sorting(self) -> "_SortInFlight":
-        return SortedGroups.start(self.groups.ids, self.groups.num_groups)
-
-    @functools.cached_property
-    def _pair_sorting(self) -> Optional["_SortInFlight"]:
-        if not self.subtracts:
-            return None
-        return SortedGroups.start(_pair_classes(self.groups.ids, self.groups.num_groups), self.groups.num_groups ** 2,
-                                  partial=True)
+    def _queue_sorts(self) -> None:
+        """Queues each layout's sort and the read of its sizes (:meth:`SortedGroups.start`); :attr:`sorted` and
+        :attr:`pairs` wait for those reads."""
+        self._sorting = SortedGroups.start(self.groups.ids, self.groups.num_groups)
+        if self.subtracts:
+            self._pair_sorting = SortedGroups.start(_pair_classes(self.groups.ids, self.groups.num_groups),
+                                                    self.groups.num_groups ** 2, partial=True)
 
     @functools.cached_property
     def sorted(self) -> SortedGroups:
-        return self._sorting.finish()
+        # the sort's temporaries are dropped, not kept with the plan until the backward
+        layout, self._sorting = self._sorting.finish(), None
+        return layout
 
     @functools.cached_property
     def pairs(self) -> Optional[SortedGroups]:
         """The tokens in two groups, sorted by (sequence, pair of groups, position), when the group set is
         inclusion-exclusion and some token is in two groups; else None."""
-        layout = self._pair_sorting.finish() if self._pair_sorting is not None else None
+        in_flight, self._pair_sorting = self._pair_sorting, None
+        layout = in_flight.finish() if in_flight is not None else None
         return layout if layout is not None and layout.num_segments else None
 
     # ------------------------------------------------------------------------------------------------ both sets
@@ -504,17 +503,18 @@ class _Plan:
         """(out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32, float64 for float64 inputs)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
         # What the host reads is queued first: the largest magnitudes (for inclusion-exclusion on bf16) and the
-        # layouts' sorts, each ending in one read of its sizes. The window kernel, queued next, needs no layout and
-        # fills the device while the host waits for those reads (which wait for their own small kernels only) and
-        # launches the group set. (On a side stream, beside the group set, it measured slower: v13 in
-        # benchmarks/results/focus_h200/NOTES.md.)
+        # layouts' sorts, each ending in one read of its sizes. Each read then waits only for the work queued before
+        # it, not for the window kernel queued next, which needs no layout and fills the device while the host waits
+        # for those reads and launches the group set. (On a side stream, beside the group set, it measured slower:
+        # v13 in benchmarks/results/focus_h200/NOTES.md.)
         if self.subtracts and q.dtype == torch.bfloat16:
             # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on float16
-            # copies, whose outputs carry 3 more bits.
+            # copies, whose outputs carry 3 more bits. Decided before the pair layout's read: when no token turns
+            # out to be in two groups, nothing is subtracted and the copies only cost their passes.
             calls = CallInputs.queue_half_copies(q, k, v, self.scale)
         else:
             calls = functools.partial(CallInputs.plain, self.scale)
-        self._sorting, self._pair_sorting
+        self._queue_sorts()
         if self.window_kernel is not None:
             # With one membership per token in q's dtype, as the group set's partial: the merge reads half the bytes
             # of float32, and a convex combination of two partials rounded once each errs no more than the larger of
@@ -528,12 +528,12 @@ class _Plan:
         out_s, lse_s = self._group_forward(q, k, v, calls)
         if base is None:
             base = self._window_forward(q, k, v)
+        result = torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:3], dtype=dtype)
         if not self.multi:
-            return merge_indexed(*base, out_s, lse_s, self.sorted.token_slot)  # new, contiguous
+            return merge_indexed(*base, out_s, lse_s, self.sorted.token_slot, result)
         subtracted = None
         if self.pairs is not None:
             subtracted = (*self._pair_forward(q, k, v, calls), self.pairs.entry_slots())
-        result = torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:3], dtype=dtype)
         return merge_indexed(*base, out_s, lse_s, self.sorted.entry_slots(), result, subtracted=subtracted,
                              part_unit=calls.value_unit)
 

@@ -52,6 +52,12 @@ class Tiling:
     fwd_stages: int
     bwd_stages: int
 
+    def __post_init__(self):
+        # A query tile's key steps end at its own end, and its tiles fill a layout tile: each size divides the next.
+        for small, large in ((self.fwd_n, self.fwd_m), (self.fwd_n, self.window_m), (self.fwd_m, self.layout),
+                             (self.window_m, self.layout), (self.bwd, self.layout)):
+            assert large % small == 0, f"tile sizes: {large} is not a multiple of {small} ({self})"
+
 
 def tiling(device: torch.device) -> Tiling:
     """Tiles measured best on the H200 (benchmarks/results/focus_h200/NOTES.md: fwd 128 x 64 with 4 warps, bwd 64 x 64
