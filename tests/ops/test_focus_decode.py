@@ -121,6 +121,24 @@ def test_chunks_of_many_tiles_match_reference(sms, monkeypatch):
     assert max_error(out, exact) < 1e-5 and max_error(lse, exact_lse) < 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize("scan_n, scan_stages", [(16, 1), (16, 3), (256, 1), (256, 2)])
+def test_scan_steps_do_not_change_the_output(scan_n, scan_stages, monkeypatch):
+    """Pass 1's step (keys per step, pipeline stages) changes how the chunk's bit sets are read, not the list of
+    attended positions it writes (in position order) nor anything after it: the same output and lse, bit for bit,
+    over chunks of several tiles."""
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
+    monkeypatch.setattr(decode, "_PROGRAMS_PER_SM", 1)
+    torch.manual_seed(1)
+    q, k, v = make_inputs(1, 4, 2, 2, 600, 32, F32, strided=False)
+    bits = group_bits(random_groups(1, 600, 8, 2).to(DEVICE))
+    expected = focus_decode(q, k, v, bits, window=5, scale=32 ** -0.5)
+    monkeypatch.setattr(decode, "_SCAN_N", scan_n)
+    monkeypatch.setattr(decode, "_SCAN_STAGES", scan_stages)
+    got = focus_decode(q, k, v, bits, window=5, scale=32 ** -0.5)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 def test_split_fills_an_h200():
     """Batch 1, 8 KV heads, 128K keys: enough chunk programs for 132 SMs, each chunk a whole number of tiles."""
     work = split_k.plan(1, 32, 8, 1, 128 * 1024, torch.device("cpu"), block_n=decode._BLOCK_N,

@@ -37,6 +37,12 @@ from ..triton_common import dot, is_interpreted, on_device_of, softmax_finish, s
 # ms, top-2 0.127 vs 0.143 ms. 8 warps, 32- and 128-key tiles were slower (v5). v9: at 156 registers an SM holds 3
 # programs, and 6 per SM (two whole waves) beat 8 (top-1 0.077 vs 0.088 ms, top-2 0.126 vs 0.141), 3, 4, 9 and 12.
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 64, 4, 2, 6
+# Pass 1 (the scan of the chunk's bit sets): keys per step, a power of two, and its software pipeline's stages (1:
+# none, each step waits for its own load). The list it writes, and so the output, depend on neither. Measured only
+# as 64 and 1 (v9). At 128K a program scans 21 steps of 64 keys, each waiting on a global load (the offline sm_90
+# compile pipelines pass 2's loads, not pass 1's), and attends 3 (top-1) or 10 (top-2) tiles: wider or pipelined
+# steps would take most of that wait off its path. To probe: benchmarks/results/focus_h200/v15.
+_SCAN_N, _SCAN_STAGES = 64, 1
 
 
 @triton.jit
@@ -47,8 +53,8 @@ def _focus_decode_chunk(
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_bits_b, stride_bits_t,
     kv_heads, group, q_len, k_len, window, scale, softcap, chunk_keys, num_chunks,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    NATIVE_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN_N: tl.constexpr,
+    SCAN_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
     """Grid (B * Hkv, chunks, row blocks). KEYS: int32 scratch, ``chunk_keys`` entries per program. Writes the
     chunk's normalized output and log-sum-exp of each row to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks]
@@ -60,10 +66,10 @@ def _focus_decode_chunk(
     program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     keys = KEYS + program.to(tl.int64) * chunk_keys
 
-    # Pass 1: the positions of the chunk's keys that some row attends, in position order.
+    # Pass 1: the positions of the chunk's keys that some row attends, in position order, SCAN_N keys per step.
     count = 0
-    for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
+    for n0 in tl.range(start, stop, SCAN_N, num_stages=SCAN_STAGES):
+        n = n0 + tl.arange(0, SCAN_N)
         needed = tl.max(_pairs(n, n < stop, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window).to(tl.int32),
                         axis=0) > 0
         flags = needed.to(tl.int32)
@@ -153,7 +159,8 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
             *q.stride(), *k.stride(), *v.stride(), *bits.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale,
             1.0 if softcap is None else softcap, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, SOFTCAP=softcap is not None,
+            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, SCAN_N=_SCAN_N, SCAN_STAGES=_SCAN_STAGES,
+            SOFTCAP=softcap is not None,
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
         if work.chunks > 1:
             split_k.merge(part_out, part_lse, out, lse)
