@@ -7,7 +7,7 @@ keys per KV head, two waves of 3 resident programs per SM): a program scans 21 s
 global load of their bit sets (the offline compile pipelines pass 2's loads, not pass 1's), then attends 3 tiles
 (top-1) or 10 (top-2, combinations). From v12 (0.077 ms top-1, 0.125 ms top-2 for two waves): about 1.3 us per scan
 step and 3.4 us per attended tile. Prediction: 256-key steps (6 waits) or a pipelined scan take about 25 us per wave
-off, 0.077 -> about 0.045 ms (top-1, 3.0x dense) and 0.125 -> about 0.095 ms (top-2, 1.45x).
+off, 0.077 -> about 0.045 ms (top-1, 3.0x dense) and 0.125 -> about 0.095 ms (top-2, 1.44x).
 
 Each plan's output must equal the measured plan's bit for bit (the list of attended positions does not depend on
 the scan), and the measured plan's must be within 1e-2 of the float32 reference. CUDA-graph replays with a cold L2,
