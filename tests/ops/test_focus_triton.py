@@ -76,6 +76,24 @@ def test_group_layout_sorts_pads_and_ranks_memberships():
     assert layout.tile_seg_start.tolist() == [0, 4, 8, 12] and layout.tile_seg_end.tolist() == [4, 8, 12, 16]
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_group_layout_is_the_same_with_int64_sort_keys(slots, monkeypatch):
+    """Sort keys are int32 where they fit (layout.sort_key_dtype) and int64 past 2**31; both give the same layout."""
+    from sieve_attn.ops.focus import layout as layout_module
+    gen = torch.Generator().manual_seed(slots)
+    groups = torch.stack([torch.randperm(5, generator=gen)[:slots] for _ in range(2 * 37)]).view(2, 37, slots)
+    if slots == 2:
+        groups[:, ::3, 1] = -1
+    groups = groups.to(DEVICE)
+    narrow = group_layout(groups, group_bits(groups), block=8, num_groups=5)
+    monkeypatch.setattr(layout_module, "sort_key_dtype", lambda largest: torch.int64)
+    wide = layout_module.group_layout(groups, group_bits(groups), block=8, num_groups=5)
+    for name in ("slot_token", "slot_extra", "tile_batch", "tile_lower", "tile_seg_start", "tile_seg_end",
+                 "extra_batch", "extra_token"):
+        assert torch.equal(getattr(narrow, name), getattr(wide, name)), name
+    assert narrow.num_extra == wide.num_extra
+
+
 def test_group_layout_with_one_group_per_token_bounds_the_slots_without_reading_the_device(monkeypatch):
     """m = 1: no extra copies, and the slot count is an upper bound (10 tokens + 6 segments x 3 padding slots = 28),
     so nothing is read back to the host; the tiles past the real slots are padding over empty segments."""

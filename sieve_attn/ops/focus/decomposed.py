@@ -59,6 +59,7 @@ from ..gather import gather_rows
 from ..merge import merge_indexed
 from ..triton_common import kernel_blocker, on_device_of
 from .groups import FocusGroups
+from .layout import sort_key_dtype
 from .sdpa_ops import causal_call, masked_family
 
 # Pair-mask elements of one masked call (its bias and group tests are as large): 2**24 keeps a call's temporaries
@@ -165,8 +166,8 @@ class SortedGroups:
         if not complete:
             key = torch.where(flat >= 0, key, past)
         # The keys of memberships are distinct, so the order is the stable one: members of a group stay in
-        # position order.
-        key, entry = torch.sort(key)  # the order is each membership's entry in the ids
+        # position order. In int32 when they fit (half the radix passes).
+        key, entry = torch.sort(key.to(sort_key_dtype(past)))  # the order is each membership's entry in the ids
         token, group, segment_key = token[entry], flat[entry], key // length
         real = key < past
         # Segments are the runs of equal keys, at most N of them, so [N] tensors hold their sizes and one read gives

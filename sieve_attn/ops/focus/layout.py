@@ -57,6 +57,12 @@ class TileLayout:
         return self.tile_batch.numel()
 
 
+def sort_key_dtype(largest: int) -> torch.dtype:
+    """The narrowest of int32 and int64 that holds sort keys up to ``largest``: a GPU radix sort makes one pass per 8
+    key bits, so int32 keys take half the passes of int64 ones."""
+    return torch.int32 if largest < 2 ** 31 else torch.int64
+
+
 def _int32(*tensors):
     return [t.to(torch.int32).contiguous() for t in tensors]
 
@@ -92,7 +98,7 @@ def group_layout(groups: torch.Tensor, bits: torch.Tensor, block: int, num_group
     count = groups.numel()
     num_segments = batch * num_groups
     groups, bits = groups.contiguous(), bits.contiguous()
-    keys = torch.empty(count, dtype=torch.int64, device=device)
+    keys = torch.empty(count, dtype=sort_key_dtype((num_segments + 1) * length), device=device)
     is_extra = torch.empty(count, dtype=torch.int32, device=device)
     counts = torch.zeros(num_segments, dtype=torch.int32, device=device)
     grid = (triton.cdiv(count, _BLOCK),)
@@ -140,7 +146,7 @@ def _key_memberships(GROUPS, BITS, KEYS, IS_EXTRA, COUNTS, count, length, slots,
     position = row % length
     valid = live & (group >= 0)
     segment = tl.where(valid, (row // length) * num_groups + group, num_segments)
-    tl.store(KEYS + i, segment * length + position, mask=live)
+    tl.store(KEYS + i, segment.to(KEYS.dtype.element_ty) * length + position, mask=live)
     token_bits = tl.load(BITS + row, mask=valid, other=0)
     lower = (tl.full([BLOCK], 1, tl.int64) << tl.maximum(group, 0)) - 1
     tl.store(IS_EXTRA + i, (valid & ((token_bits & lower) != 0)).to(tl.int32), mask=live)
