@@ -32,7 +32,10 @@ def group_bits(groups: torch.Tensor) -> torch.Tensor | None:
 
 def bit_sets(groups: torch.Tensor) -> torch.Tensor:
     """:func:`group_bits` of groups known to hold ids < 63 (not checked: no host sync)."""
-    bits = torch.where(groups >= 0, torch.ones_like(groups) << groups.clamp_min(0), torch.zeros_like(groups))
+    # Four launches (three with one slot per token): a model's router calls this in every layer and step.
+    bits = torch.where(groups >= 0, 1 << groups.clamp_min(0), 0)
+    if groups.shape[-1] == 1:
+        return bits[..., 0]
     return bits.sum(dim=-1)  # ids of a token are distinct, so the sum is the bitwise or
 
 
