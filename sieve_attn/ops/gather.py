@@ -38,9 +38,9 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, outer: int, inner: int, 
     r = a x I + i, or -1. Returns a new contiguous [outer, H, inner, D] tensor of ``dtype`` (default src's): row
     n = (n // inner, n % inner) of each head is the source's row index[n] of that head times ``factor`` (in float32,
     float64 for float64 sources, rounded once to ``dtype``), zeros for -1: the float16 copies of the decomposition's
-    inclusion-exclusion calls are packed in the same pass. The kernel serves CUDA tensors that
-    autograd does not track (the decomposition's forward and backward, which handle gradients themselves); the
-    rest, flex's differentiable packing included, takes the PyTorch reference."""
+    inclusion-exclusion calls are packed in the same pass. The kernel serves CUDA tensors that autograd does not
+    track (the decomposition's forward and backward, which handle gradients themselves); the rest, flex's
+    differentiable packing included, takes the PyTorch reference."""
     if index.numel() != outer * inner:
         raise ValueError(f"index: expected {outer} x {inner} = {outer * inner} rows, got {index.numel()}")
     tracked = torch.is_grad_enabled() and src.requires_grad

@@ -210,6 +210,14 @@ def _indexed_lse(PL, INDEX, n, j, live, head, part_inner, s_qa, s_qh, s_qi, colu
 
 
 @jit
+def _weighted_rows(BASE, rows, weight, live, d, cols):
+    """[ROWS, BLOCK_D] float32: ``weight`` [ROWS] times the rows at BASE + rows (element offsets). A row of weight 0
+    is not read, so whatever an empty row holds cannot turn into NaN."""
+    values = tl.load(BASE + rows[:, None] + d[None, :], mask=(live & (weight > 0))[:, None] & cols, other=0.0)
+    return weight[:, None] * values.to(tl.float32)
+
+
+@jit
 def _merge_indexed_kernel(O, L, PO, PL, INDEX, SO, SL, SINDEX, RO, RL, count, length, part_inner, sub_inner,
                           part_unit, s_ob, s_oh, s_ot, s_lb, s_lh, s_lt, s_pa, s_ph, s_pi, s_qa, s_qh, s_qi,
                           s_ua, s_uh, s_ui, s_va, s_vh, s_vi, s_rb, s_rh, s_rt, s_sb, s_sh, s_st, dim,
@@ -229,23 +237,17 @@ def _merge_indexed_kernel(O, L, PO, PL, INDEX, SO, SL, SINDEX, RO, RL, count, le
     top = tl.where(top == float("-inf"), 0.0, top)  # all empty: weights 0, no -inf - -inf
     w_o = tl.exp(lse_o - top)
     total = w_o
-    # A partial of weight 0 is not read, so whatever an empty row holds cannot turn into NaN.
-    merged = w_o[:, None] * tl.load(O + (b * s_ob + head * s_oh + t * s_ot)[:, None] + d[None, :],
-                                    mask=(live & (w_o > 0))[:, None] & cols, other=0.0).to(tl.float32)
+    merged = _weighted_rows(O, b * s_ob + head * s_oh + t * s_ot, w_o, live, d, cols)
     for j in tl.static_range(PARTS):
         lse_p, a, i = _indexed_lse(PL, INDEX, n, j, live, head, part_inner, s_qa, s_qh, s_qi, PARTS)
         w_p = tl.exp(lse_p - top)
         total += w_p
-        po = tl.load(PO + (a * s_pa + head * s_ph + i * s_pi)[:, None] + d[None, :],
-                     mask=(live & (w_p > 0))[:, None] & cols, other=0.0).to(tl.float32)
-        merged += (w_p * part_unit)[:, None] * po
+        merged += part_unit * _weighted_rows(PO, a * s_pa + head * s_ph + i * s_pi, w_p, live, d, cols)
     if SUBTRACT:
         lse_u, a, i = _indexed_lse(SL, SINDEX, n, 0, live, head, sub_inner, s_va, s_vh, s_vi, 1)
         w_u = tl.exp(lse_u - top)
         total -= w_u
-        uo = tl.load(SO + (a * s_ua + head * s_uh + i * s_ui)[:, None] + d[None, :],
-                     mask=(live & (w_u > 0))[:, None] & cols, other=0.0).to(tl.float32)
-        merged -= (w_u * part_unit)[:, None] * uo
+        merged -= part_unit * _weighted_rows(SO, a * s_ua + head * s_uh + i * s_ui, w_u, live, d, cols)
     # total is 0 (no finite partial) or >= 1 (the largest partial has weight 1; a subtracted set takes away only
     # keys counted twice)
     filled = total > 0

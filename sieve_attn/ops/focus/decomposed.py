@@ -169,7 +169,6 @@ class SortedGroups:
         # position order. In int32 when they fit (half the radix passes).
         key, entry = torch.sort(key.to(sort_key_dtype(past)))  # the order is each membership's entry in the ids
         token, group, segment_key = token[entry], flat[entry], key // length
-        real = key < past
         # Segments are the runs of equal keys, at most N of them, so [N] tensors hold their sizes and one read gives
         # the layout's; memory O(B x T x m) whatever the ids.
         new = torch.ones_like(segment_key, dtype=torch.bool)
@@ -179,7 +178,12 @@ class SortedGroups:
         # contend on the few segments. Empty slots form a last segment without members.
         positions = torch.arange(segment.numel(), device=ids.device)
         first, end = torch.searchsorted(segment, positions), torch.searchsorted(segment, positions + 1)
-        members = end - first if complete else (torch.minimum(end, real.sum()) - first).clamp_min(0)
+        if complete:
+            members = end - first
+        else:
+            real = key < past
+            count = real.sum()
+            members = (torch.minimum(end, count) - first).clamp_min(0)
         rank = positions - first[segment]
         segment_group = torch.zeros_like(segment).scatter_(0, segment, group)
         if not segment.numel():
@@ -187,7 +191,7 @@ class SortedGroups:
         elif complete:
             sizes = torch.stack([members.max(), segment[-1] + 1, segment.new_full((), segment.numel())])
         else:
-            sizes = torch.stack([members.max(), (new & real).sum(), real.sum()])
+            sizes = torch.stack([members.max(), (new & real).sum(), count])
         return _SortInFlight(token, entry, segment, rank, members, segment_group, batch, length, slots,
                              one_each=complete, sizes=_read_later(sizes))
 

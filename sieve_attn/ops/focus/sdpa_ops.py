@@ -67,15 +67,20 @@ def cpu_forward(q, k, v, allowed, scale):
     return out, lse, None
 
 
+def _widened(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors in float32 (16-bit ones; float32 and float64 stay): the masked families' backward runs there and
+    returns float32 shares, since the decomposition sums several calls' shares per token (copies, query chunks, the
+    window set), and shares rounded to 16 bits each made those sums err more than twice a dense 16-bit call's
+    gradients (1.05-1.09x in 4 of 200 seeds of a random top-2 sweep)."""
+    return [t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors]
+
+
 def cpu_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
-    """16-bit inputs run in float32 and their gradients come in float32: the decomposition sums several calls'
-    shares per token (copies, query chunks, the window set), and shares rounded to 16 bits each made those sums err
-    more than twice a dense 16-bit call's gradients (1.05-1.09x in 4 of 200 seeds of a random top-2 sweep)."""
-    wide = torch.promote_types(q.dtype, torch.float32)
-    grad_out, q, k, v, out = (t.to(wide) for t in (grad_out, q, k, v, out))
-    bias = None if allowed is None else additive_bias(allowed, wide)
+    """16-bit inputs run in float32 and their gradients come in float32 (:func:`_widened`)."""
+    grad_out, q, k, v, out = _widened(grad_out, q, k, v, out)
+    bias = None if allowed is None else additive_bias(allowed, q.dtype)
     return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse.to(wide), 0.0, allowed is None, attn_mask=bias, scale=scale)
+        grad_out, q, k, v, out, lse.to(q.dtype), 0.0, allowed is None, attn_mask=bias, scale=scale)
 
 
 # ---------------------------------------------------------------------------------------------------- cudnn (CUDA)
@@ -138,9 +143,8 @@ def efficient_forward(q, k, v, allowed, scale):
 def efficient_backward(grad_out, q, k, v, out, lse, allowed, saved, scale):
     """As :func:`cpu_backward`, 16-bit inputs run in float32 and the gradients come in float32 (the kernel takes
     float32 on sm80 and later)."""
-    wide = torch.promote_types(q.dtype, torch.float32)
-    grad_out, q, k, v, out = (t.to(wide) for t in (grad_out, q, k, v, out))
-    bias, queries = None if allowed is None else additive_bias(allowed, wide, _BIAS_ALIGN), q.shape[2]
+    grad_out, q, k, v, out = _widened(grad_out, q, k, v, out)
+    bias, queries = None if allowed is None else additive_bias(allowed, q.dtype, _BIAS_ALIGN), q.shape[2]
     padded = lse.new_zeros(*lse.shape[:2], -(-queries // _LSE_ALIGN) * _LSE_ALIGN)
     padded[..., :queries] = lse
     group = q.shape[1] // k.shape[1]
