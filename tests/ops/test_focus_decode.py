@@ -113,8 +113,8 @@ def test_chunks_of_many_tiles_match_reference(sms, monkeypatch):
     torch.manual_seed(0)
     q, k, v = make_inputs(1, 4, 2, 2, 600, 32, F32, strided=False)
     groups = random_groups(1, 600, 8, 2).to(DEVICE)
-    work = split_k.plan(1, 4, 2, 2, 600, q.device, block_n=decode._BLOCK_N, programs_per_sm=1)
-    assert work.chunk_keys >= 3 * decode._BLOCK_N
+    work = split_k.plan(1, 4, 2, 2, 600, q.device, block_n=decode._block_n(32), programs_per_sm=1)
+    assert work.chunk_keys >= 3 * decode._block_n(32)
     kwargs = dict(window=5, causal=True, scale=32 ** -0.5, softcap=None)
     exact, exact_lse = focus_attention_reference(q.double(), k.double(), v.double(), groups, **kwargs)
     out, lse = focus_decode(q, k, v, group_bits(groups), window=5, scale=32 ** -0.5)
@@ -141,10 +141,10 @@ def test_scan_steps_do_not_change_the_output(scan_n, scan_stages, monkeypatch):
 
 def test_split_fills_an_h200():
     """Batch 1, 8 KV heads, 128K keys: enough chunk programs for 132 SMs, each chunk a whole number of tiles."""
-    work = split_k.plan(1, 32, 8, 1, 128 * 1024, torch.device("cpu"), block_n=decode._BLOCK_N,
+    work = split_k.plan(1, 32, 8, 1, 128 * 1024, torch.device("cpu"), block_n=decode._block_n(128),
                         programs_per_sm=decode._PROGRAMS_PER_SM)  # the CPU plans for an H200's 132 SMs
     chunk_keys, chunks = work.chunk_keys, work.chunks
-    assert chunk_keys % decode._BLOCK_N == 0 and chunks * chunk_keys >= 128 * 1024 > (chunks - 1) * chunk_keys
+    assert chunk_keys % decode._block_n(128) == 0 and chunks * chunk_keys >= 128 * 1024 > (chunks - 1) * chunk_keys
     assert 8 * chunks >= 4 * 132  # several resident programs per SM
 
 
@@ -237,7 +237,8 @@ def test_each_program_lists_its_keys_in_its_own_scratch_slice(monkeypatch):
     torch.manual_seed(0)
     q, k, v = make_inputs(2, 4, 2, 1, 600, 32, F32, strided=False)
     focus_decode(q, k, v, group_bits(random_groups(2, 600, 8, 1)), window=5, scale=1.0)
-    work = split_k.plan(2, 4, 2, 1, 600, q.device, block_n=decode._BLOCK_N, programs_per_sm=decode._PROGRAMS_PER_SM)
+    work = split_k.plan(2, 4, 2, 1, 600, q.device, block_n=decode._block_n(32),
+                        programs_per_sm=decode._PROGRAMS_PER_SM)
     chunk_keys = work.chunk_keys
     spans = sorted((int(a.min()), int(a.max())) for a in (numpy.concatenate(s) for s in stores.values()))
     assert len(spans) == 2 * 2 * work.chunks * work.row_blocks > 8  # every program found attended keys

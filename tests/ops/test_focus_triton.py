@@ -76,6 +76,21 @@ def test_group_layout_sorts_pads_and_ranks_memberships():
     assert layout.tile_seg_start.tolist() == [0, 4, 8, 12] and layout.tile_seg_end.tolist() == [4, 8, 12, 16]
 
 
+def test_segment_bounds_carry_across_chunks():
+    """The layout's one-program scan of the segments, in chunks of 32 over 100 segments (empty ones included):
+    padded counts and both running ends as torch computes them."""
+    from sieve_attn.ops.focus.layout import _segment_bounds
+    counts = torch.randint(0, 9, (100,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    counts[::7] = 0
+    counts = counts.to(DEVICE)
+    bounds = torch.full((3, 100), -7, dtype=torch.int32, device=DEVICE)
+    _segment_bounds[(1,)](counts, bounds, 100, 4, BLOCK=32)
+    padded = (counts + 3) // 4 * 4
+    assert torch.equal(bounds[0], padded)
+    assert torch.equal(bounds[1], torch.cumsum(padded, 0, dtype=torch.int32))
+    assert torch.equal(bounds[2], torch.cumsum(counts, 0, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("slots", [1, 2])
 def test_group_layout_is_the_same_with_int64_sort_keys(slots, monkeypatch):
     """Sort keys are int32 where they fit (layout.sort_key_dtype) and int64 past 2**31; both give the same layout."""

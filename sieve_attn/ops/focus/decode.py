@@ -34,15 +34,26 @@ from ..triton_common import dot, is_interpreted, on_device_of, softmax_finish, s
 
 # Plan of the two-pass kernel: the fastest that passed the gated bench on an H200 (128K, GQA 32/8, D = 128, K = 8,
 # CUDA graphs). v7 (benchmarks/results/focus_h200/v7): 2 stages against 3 in the same session, top-1 0.088 vs 0.102
-# ms, top-2 0.127 vs 0.143 ms. 8 warps, 32- and 128-key tiles were slower (v5). v9: at 156 registers an SM holds 3
-# programs, and 6 per SM (two whole waves) beat 8 (top-1 0.077 vs 0.088 ms, top-2 0.126 vs 0.141), 3, 4, 9 and 12.
-_BLOCK_N, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 64, 4, 2, 6
+# ms, top-2 0.127 vs 0.143 ms. 8 warps, 32- and 128-key tiles were slower at D = 128 (v5; ``_block_n``). v9: at 156
+# registers an SM holds 3 programs, and 6 per SM (two whole waves) beat 8 (top-1 0.077 vs 0.088 ms, top-2 0.126 vs
+# 0.141), 3, 4, 9 and 12. v16, with the 256-key scan: 6 per SM still beat 3, 4, 8, 9 and 12 (top-1 0.056 vs
+# 0.061-0.071 ms).
+_NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 4, 2, 6
 # Pass 1 (the scan of the chunk's bit sets): keys per step, a power of two, and its software pipeline's stages (1:
-# none, each step waits for its own load). The list it writes, and so the output, depend on neither. Measured only
-# as 64 and 1 (v9). At 128K a program scans 21 steps of 64 keys, each waiting on a global load (the offline sm_90
-# compile pipelines pass 2's loads, not pass 1's), and attends 3 (top-1) or 10 (top-2) tiles: wider or pipelined
-# steps would take most of that wait off its path. To probe: benchmarks/results/focus_h200/v15.
-_SCAN_N, _SCAN_STAGES = 64, 1
+# none, each step waits for its own load). The list it writes, and so the output, depend on neither. v15-v16
+# (benchmarks/results/focus_h200/v15, v16; 128K, D = 128, K=8, CUDA graphs, ms): 64 keys unpipelined, as measured
+# before, top-1 0.076 ms, top-2 0.126 (combinations) / 0.115 (adjacent); 256 keys in 3 stages 0.057, 0.106, 0.095;
+# 512 in 3 stages 0.054, 0.104, 0.092 (call M). 128 keys were slower than 64 unpipelined.
+_SCAN_N, _SCAN_STAGES = 512, 3
+
+
+def _block_n(head_dim: int) -> int:
+    """Keys per attention tile. v16 (the plan re-swept with the 512-key scan; 128K, K=8, CUDA graphs, 6 programs
+    per SM): at D = 64 128-key tiles beat 64-key ones (top-1 0.039 vs 0.047 ms, top-2 0.070 vs 0.098 on the
+    combinations groups, 0.063 vs 0.086 adjacent; with 64-key tiles, 4 programs per SM reached 0.044 / 0.082 / 0.073
+    and 3 stages 0.041 / 0.078 / 0.070; 128-key tiles were timed at 6 and 9 per SM only); at D = 128 they lost
+    (0.063 vs 0.056 ms top-1, 0.114 vs 0.106 top-2, 256-key scan). Sizes below 64 and 256 are not measured."""
+    return 128 if head_dim <= 64 else 64
 
 
 @triton.jit
@@ -146,7 +157,8 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
             fail(name, "strides whose offsets within one KV head fit int32 ((Tk - 1) * stride(2) + (D - 1) * "
                        "stride(3) < 2**31; a contiguous [B, Hkv, Tk, D] cache does up to 16M tokens at D = 128)",
                  f"strides {t.stride()} at Tk = {k_len}")
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
+    block_n = _block_n(head_dim)
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=block_n,
                         programs_per_sm=_PROGRAMS_PER_SM)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
@@ -159,7 +171,7 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
             *q.stride(), *k.stride(), *v.stride(), *bits.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale,
             1.0 if softcap is None else softcap, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, SCAN_N=_SCAN_N, SCAN_STAGES=_SCAN_STAGES,
+            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=block_n, SCAN_N=_SCAN_N, SCAN_STAGES=_SCAN_STAGES,
             SOFTCAP=softcap is not None,
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
         if work.chunks > 1:

@@ -87,9 +87,10 @@ def group_layout(groups: torch.Tensor, bits: torch.Tensor, block: int, num_group
     """Layout of the group set for memberships ``groups`` [B, T, m] (-1 = empty slot, ids < num_groups <= 63) whose
     bit sets are ``bits`` [B, T] (int64, :func:`~.reference.group_bits`). ``tile_lower`` comes in ``lower_dtype``.
 
-    Four small Triton kernels around one sort: the layout is rebuilt for every call, so its cost is mostly the host's
-    launch overhead, kept to about 15 launches. With one slot per token (m = 1) nothing waits for the device: there
-    are no extra copies, and the slots are counted by an upper bound (each non-empty segment pads fewer than
+    Five small Triton kernels around one sort: the layout is rebuilt for every call, so its cost is mostly the host's
+    launch overhead and, in a CUDA graph, the launches' gaps, kept to about 10 launches (the segments' padded counts
+    and both running ends in one kernel, not ten). With one slot per token (m = 1) nothing waits for the device:
+    there are no extra copies, and the slots are counted by an upper bound (each non-empty segment pads fewer than
     ``block`` slots), so up to B x ``num_groups`` - 1 tiles after the last sequence's last segment are padding.
     Otherwise one host synchronisation reads the slot and extra-copy counts. Extra copies are numbered in the order
     of ``groups``' memberships."""
@@ -105,18 +106,20 @@ def group_layout(groups: torch.Tensor, bits: torch.Tensor, block: int, num_group
     _key_memberships[grid](groups, bits, keys, is_extra, counts, count, length, slots, num_groups, num_segments,
                            BLOCK=_BLOCK)
     sorted_keys, order = torch.sort(keys)
-    extra_rank = torch.cumsum(is_extra, 0, dtype=torch.int32)
-    padded = (counts + block - 1) // block * block
-    ends, member_ends = torch.cumsum(padded, 0, dtype=torch.int32), torch.cumsum(counts, 0, dtype=torch.int32)
+    bounds = torch.empty(3, num_segments, dtype=torch.int32, device=device)
+    chunk = min(_BLOCK, max(32, triton.next_power_of_2(num_segments)))
+    _segment_bounds[(1,)](counts, bounds, num_segments, block, BLOCK=chunk)
+    padded, ends, member_ends = bounds
     if slots == 1:
         # A host synchronisation here leaves the GPU idle while the host launches everything after it (the GPU idled
-        # 0.7 ms of a 4.3 ms call at 64K, K=8, on the H200), so the slot count is bounded instead of read.
-        total, num_extra = triton.cdiv(count + num_segments * (block - 1), block) * block, 0
+        # 0.7 ms of a 4.3 ms call at 64K, K=8, on the H200), so the slot count is bounded instead of read. No token
+        # has a lower group, so no copy is extra and their ranks are never read.
+        total, num_extra, extra_rank = triton.cdiv(count + num_segments * (block - 1), block) * block, 0, is_extra
     else:
+        extra_rank = torch.cumsum(is_extra, 0, dtype=torch.int32)
         total, num_extra = torch.stack([ends[-1], extra_rank[-1]]).tolist()  # the one synchronisation
 
-    slot_token = torch.full((total,), -1, dtype=torch.int32, device=device)
-    slot_extra = torch.full((total,), -1, dtype=torch.int32, device=device)
+    slot_token, slot_extra = torch.full((2, total), -1, dtype=torch.int32, device=device)  # one fill for both
     extra_rows = torch.empty(2, num_extra, dtype=torch.int64, device=device)
     _place_memberships[grid](sorted_keys, order, is_extra, extra_rank, counts, padded, ends, member_ends, slot_token,
                              slot_extra, extra_rows, count, length, num_groups, num_segments, num_extra, BLOCK=_BLOCK)
@@ -151,6 +154,25 @@ def _key_memberships(GROUPS, BITS, KEYS, IS_EXTRA, COUNTS, count, length, slots,
     lower = (tl.full([BLOCK], 1, tl.int64) << tl.maximum(group, 0)) - 1
     tl.store(IS_EXTRA + i, (valid & ((token_bits & lower) != 0)).to(tl.int32), mask=live)
     tl.atomic_add(COUNTS + segment, tl.full([BLOCK], 1, tl.int32), mask=valid)
+
+
+@jit
+def _segment_bounds(COUNTS, BOUNDS, num_segments, block, BLOCK: tl.constexpr):
+    """One program, in chunks of BLOCK segments: each segment's member count padded to a multiple of ``block``, the
+    running end of the padded counts (its slots' end) and of the counts (its members' end in the sorted order), as
+    the rows of BOUNDS [3, num_segments]."""
+    slot_end = tl.full([], 0, tl.int32)
+    member_end = tl.full([], 0, tl.int32)
+    for first in range(0, num_segments, BLOCK):
+        s = first + tl.arange(0, BLOCK)
+        live = s < num_segments
+        counts = tl.load(COUNTS + s, mask=live, other=0)
+        padded = (counts + block - 1) // block * block
+        tl.store(BOUNDS + s, padded, mask=live)
+        tl.store(BOUNDS + num_segments + s, slot_end + tl.cumsum(padded, axis=0), mask=live)
+        tl.store(BOUNDS + 2 * num_segments + s, member_end + tl.cumsum(counts, axis=0), mask=live)
+        slot_end += tl.sum(padded, axis=0)
+        member_end += tl.sum(counts, axis=0)
 
 
 @jit
