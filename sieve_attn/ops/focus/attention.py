@@ -11,7 +11,7 @@ Backends of the hard pattern (:func:`focus_attention`):
   backward by the Triton kernels on CUDA); masked calls with more memberships or not causal; the cross-group
   window pairs by the Triton window kernel on CUDA (masked calls elsewhere); merged by log-sum-exp. Tq == Tk, no
   softcap or attn_mask; forward and backward, exact on the CPU and on CUDA. Fastest for one group per token from
-  8K tokens per group in 64K tokens (forward; with gradients from 4K per group in 32K) (H200, top-1, x cuDNN, v13:
+  4K tokens per group in 64K tokens (forward; with gradients from 4K per group in 32K) (H200, top-1, x cuDNN, v13:
   64K K=8 5.14-5.76x against the Triton kernels' 4.18-4.40x; v8: 1M K=8 8.76x against 6.40x, 1M K=16 17.46x
   against 12.48x), and for two from 4K per group (v13, forward: 64K K=8 1.51-1.55x against 0.87-0.93x; v11: 256K
   K=8 2.07x against 1.21x); slower with shorter groups and sequences (``SDPA_FROM``).
@@ -53,11 +53,15 @@ DENSE_BELOW = 8192
 #   0.62-0.71 vs 0.84-1.11x, 2.37-2.56 vs 2.53-2.55x (even), 5.97-6.11 vs 5.25-5.26x; 8K at 32K 1.80-2.08 vs
 #   1.73-1.75x; 2K per group always the Triton kernels (16K 0.64-0.66 vs 1.21-1.34x). Longer groups and sequences
 #   gain more (v7: 16K per group at 256K 15.18 vs 11.85x, 128K per group at 1M 9.27 vs 6.86x).
+#   v16 (int32 sort keys, the sorts' temporaries dropped after their reads; two runs each, forward): 4K per group at
+#   64K / 128K tokens 8.39-8.51 vs 7.03-7.16x / 18.74-18.90 vs 15.26-15.51x, 8K per group at 128K 12.56-12.72 vs
+#   9.46-9.52x, 2K per group at 64K even (9.34-10.27 vs 9.98-10.23x): the forward now starts at 4K per group in 64K
+#   tokens (at 32K tokens 4K per group stays with the Triton kernels: 1.41 vs 2.85-2.89x, v14's call I).
 # - Two groups per token (inclusion-exclusion, the Triton backward), v11 (forward, the bench's default groups): 2K
 #   per group (32K, K=16) 1.11 vs 1.05x; 4K (32K, K=8) 0.87 vs 0.67x, (64K, K=16) 2.19 vs 1.52x; 8K (64K, K=8) 1.41
 #   vs 0.87x; 32K (256K, K=8) 2.07 vs 1.21x. At 1K per group (8K, K=8) the host-bound sdpa call took 4.0 ms against
 #   1.55 ms, so auto starts at 4K rather than at the 2K where it first won.
-SDPA_FROM = {(1, False): (8192, 65536), (1, True): (4096, 32768), (2, False): (4096, 0), (2, True): (4096, 0)}
+SDPA_FROM = {(1, False): (4096, 65536), (1, True): (4096, 32768), (2, False): (4096, 0), (2, True): (4096, 0)}
 # Query counts up to which a call with Tq < Tk is a decode step for the decode kernel.
 DECODE_MAX_QUERIES = 16
 GATES = ("log", "multiplicative")
