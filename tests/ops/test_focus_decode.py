@@ -103,39 +103,42 @@ def test_matches_reference(case):
 
 
 @needs_kernels
+@pytest.mark.parametrize("head_dim", [32, 128])
 @pytest.mark.parametrize("sms", [1, 3])
-def test_chunks_of_many_tiles_match_reference(sms, monkeypatch):
+def test_chunks_of_many_tiles_match_reference(sms, head_dim, monkeypatch):
     """Few programs (a GPU of 1 or 3 SMs, one program per SM): each chunk spans several key tiles, so the attended
     positions of later tiles are appended after the earlier ones' in the program's list (at 128K on an H200 a chunk
-    holds about 16 tiles; the other tests plan one tile per chunk)."""
+    holds 21 tiles at D = 128, 11 at D = 64; the other tests plan one tile per chunk). Both tile sizes: 128 keys
+    at D = 32, 64 at D = 128."""
     monkeypatch.setattr(split_k, "sm_count", lambda device: sms)
     monkeypatch.setattr(decode, "_PROGRAMS_PER_SM", 1)
     torch.manual_seed(0)
-    q, k, v = make_inputs(1, 4, 2, 2, 600, 32, F32, strided=False)
+    q, k, v = make_inputs(1, 4, 2, 2, 600, head_dim, F32, strided=False)
     groups = random_groups(1, 600, 8, 2).to(DEVICE)
-    work = split_k.plan(1, 4, 2, 2, 600, q.device, block_n=decode._block_n(32), programs_per_sm=1)
-    assert work.chunk_keys >= 3 * decode._block_n(32)
-    kwargs = dict(window=5, causal=True, scale=32 ** -0.5, softcap=None)
+    work = split_k.plan(1, 4, 2, 2, 600, q.device, block_n=decode._block_n(head_dim), programs_per_sm=1)
+    assert work.chunk_keys >= 3 * decode._block_n(head_dim)
+    kwargs = dict(window=5, causal=True, scale=head_dim ** -0.5, softcap=None)
     exact, exact_lse = focus_attention_reference(q.double(), k.double(), v.double(), groups, **kwargs)
-    out, lse = focus_decode(q, k, v, group_bits(groups), window=5, scale=32 ** -0.5)
+    out, lse = focus_decode(q, k, v, group_bits(groups), window=5, scale=head_dim ** -0.5)
     assert max_error(out, exact) < 1e-5 and max_error(lse, exact_lse) < 1e-5
 
 
 @needs_kernels
+@pytest.mark.parametrize("head_dim", [32, 128])
 @pytest.mark.parametrize("scan_n, scan_stages", [(16, 1), (16, 3), (256, 1), (256, 2)])
-def test_scan_steps_do_not_change_the_output(scan_n, scan_stages, monkeypatch):
+def test_scan_steps_do_not_change_the_output(scan_n, scan_stages, head_dim, monkeypatch):
     """Pass 1's step (keys per step, pipeline stages) changes how the chunk's bit sets are read, not the list of
     attended positions it writes (in position order) nor anything after it: the same output and lse, bit for bit,
-    over chunks of several tiles."""
+    over chunks of several tiles (of 128 keys at D = 32, 64 at D = 128)."""
     monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
     monkeypatch.setattr(decode, "_PROGRAMS_PER_SM", 1)
     torch.manual_seed(1)
-    q, k, v = make_inputs(1, 4, 2, 2, 600, 32, F32, strided=False)
+    q, k, v = make_inputs(1, 4, 2, 2, 600, head_dim, F32, strided=False)
     bits = group_bits(random_groups(1, 600, 8, 2).to(DEVICE))
-    expected = focus_decode(q, k, v, bits, window=5, scale=32 ** -0.5)
+    expected = focus_decode(q, k, v, bits, window=5, scale=head_dim ** -0.5)
     monkeypatch.setattr(decode, "_SCAN_N", scan_n)
     monkeypatch.setattr(decode, "_SCAN_STAGES", scan_stages)
-    got = focus_decode(q, k, v, bits, window=5, scale=32 ** -0.5)
+    got = focus_decode(q, k, v, bits, window=5, scale=head_dim ** -0.5)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 

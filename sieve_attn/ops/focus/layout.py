@@ -87,13 +87,13 @@ def group_layout(groups: torch.Tensor, bits: torch.Tensor, block: int, num_group
     """Layout of the group set for memberships ``groups`` [B, T, m] (-1 = empty slot, ids < num_groups <= 63) whose
     bit sets are ``bits`` [B, T] (int64, :func:`~.reference.group_bits`). ``tile_lower`` comes in ``lower_dtype``.
 
-    Five small Triton kernels around one sort: the layout is rebuilt for every call, so its cost is mostly the host's
-    launch overhead and, in a CUDA graph, the launches' gaps, kept to about 10 launches (the segments' padded counts
-    and both running ends in one kernel, not ten). With one slot per token (m = 1) nothing waits for the device:
-    there are no extra copies, and the slots are counted by an upper bound (each non-empty segment pads fewer than
-    ``block`` slots), so up to B x ``num_groups`` - 1 tiles after the last sequence's last segment are padding.
-    Otherwise one host synchronisation reads the slot and extra-copy counts. Extra copies are numbered in the order
-    of ``groups``' memberships."""
+    Four small Triton kernels around one sort: the layout is rebuilt for every call, so its cost is mostly the host's
+    launch overhead and, in a CUDA graph, the launches' gaps. About 14 device launches in all, 7 of them the sort's
+    (the segments' padded counts and both running ends take one kernel, where torch took eight launches). With one
+    slot per token (m = 1) nothing waits for the device: there are no extra copies, and the slots are counted by an
+    upper bound (each non-empty segment pads fewer than ``block`` slots), so up to B x ``num_groups`` - 1 tiles after
+    the last sequence's last segment are padding. Otherwise one host synchronisation reads the slot and extra-copy
+    counts. Extra copies are numbered in the order of ``groups``' memberships."""
     batch, length, slots = groups.shape
     device = groups.device
     count = groups.numel()

@@ -6,7 +6,9 @@ A different split changes the order of the chunk sums, so a plan is checked agai
 twice the committed plan's error, and 1e-2), not bit for bit. CUDA-graph replays with a cold L2, against dense
 SDPA decode, as the bench times them. 128K cached tokens, GQA 32/8, B=1, K=8, window 128; D the second argument
 (default 128; call M ran 128, call N 64, where the kernel holds fewer registers, so more programs may fit an SM).
-Writes OUT/decode_plan_probe_d{D}.json (OUT: the first argument)."""
+Writes OUT/decode_plan_probe_d{D}.json (OUT: the first argument). A record of calls M and N: it sets
+decode._BLOCK_N, which decode._block_n replaced after them (bf9db09), so it no longer runs on the current code;
+v17/probe_decode_plan2.py probes the plan after that change."""
 import json
 import os
 import sys
