@@ -41,6 +41,44 @@ def test_matches_reference_forward_and_backward(case):
     check_against_reference(case, CASES[case], "triton")
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_longest_tiles_first_changes_only_the_launch_order(slots, monkeypatch):
+    """Tiling.longest_first reverses the forward's and dq's query tiles; each program still writes only its own
+    rows, so out, lse, dk and dv are the same bit for bit. dq too with one slot per token; with two, a token's two
+    copies add into its dq row atomically, in launch order, so only the order of that float32 sum changes."""
+    import dataclasses
+    torch.manual_seed(slots)
+    q, k, v = (torch.randn(1, 2, 70, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    groups = torch.stack([torch.randperm(4)[:slots] for _ in range(70)]).view(1, 70, slots).to(DEVICE)
+    grad = torch.randn(1, 2, 70, 16, device=DEVICE)
+    orders = []
+
+    class Recorded:  # the kernel, launched as before, with the order it was asked for recorded
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                orders.append(kwargs["LONGEST_FIRST"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_fwd_kernel", "_bwd_dq_kernel"):
+        monkeypatch.setattr(triton_prefill, name, Recorded(getattr(triton_prefill, name)))
+    results = []
+    for longest_first in (True, False):
+        plan = dataclasses.replace(triton_prefill.tiling(q.device), longest_first=longest_first)
+        monkeypatch.setattr(triton_prefill, "tiling", lambda device, plan=plan: plan)
+        out, lse = focus_attention(q, k, v, groups, window=5, backend="triton", return_lse=True)
+        results.append((out, lse, *torch.autograd.grad(out, (q, k, v), grad)))
+    assert orders == [True] * 4 + [False] * 4  # two pair sets, forward and dq
+    for name, first, second in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        if name == "dq" and slots == 2:
+            torch.testing.assert_close(first, second, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(first, second), name
+
+
 @pytest.mark.parametrize("case", ["gqa-top2-sink", "window0-bf16-top2"])
 def test_two_slots_per_token_merge_their_one_extra_copy_in_one_pass(case, monkeypatch):
     """ids [B, T, 2] (no sink row listing every group): each token has at most one extra copy, merged in one pass

@@ -40,7 +40,9 @@ _EMPTY_MAX = tl.constexpr(-1.0e30)
 @dataclass(frozen=True)
 class Tiling:
     """Tile sizes: ``layout`` slots per layout tile; forward query x key tiles (the window set's query tiles are
-    ``window_m``); backward tiles (dq and dk/dv)."""
+    ``window_m``); backward tiles (dq and dk/dv). ``longest_first``: the forward and dq kernels take their query
+    tiles in reverse, so that a causal segment's last tiles, which walk the most key steps, start first and short
+    ones fill the tail of the launch (the dk/dv kernel's first key tiles walk the most queries already)."""
 
     layout: int
     fwd_m: int
@@ -51,6 +53,7 @@ class Tiling:
     bwd_warps: int
     fwd_stages: int
     bwd_stages: int
+    longest_first: bool = True
 
     def __post_init__(self):
         # A query tile's key steps end at its own end, and its tiles fill a layout tile: each size divides the next.
@@ -150,6 +153,15 @@ def _fwd_steps(acc, l_i, m_i, q, q_tok, q_bits, k_base, v_base, SLOT_TOKEN, BITS
 
 
 @triton.jit
+def _tile_start(BLOCK: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    """First slot of the program's query tile of BLOCK slots: the tiles in reverse with LONGEST_FIRST."""
+    tile = tl.program_id(0)
+    if LONGEST_FIRST:
+        tile = tl.num_programs(0) - 1 - tile
+    return tile * BLOCK
+
+
+@triton.jit
 def _key_range(TILE_SEG_START, TILE_SEG_END, tile, q_start, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr):
     """Key slots [lo, hi) read by the query sub-tile at slot q_start: ``window`` positions back (window set), the
@@ -183,8 +195,8 @@ def _fwd_kernel(Q, K, V, BITS, SLOT_TOKEN, SLOT_EXTRA, TILE_BATCH, TILE_LOWER, T
                 s_bits, num_heads, length, window, scale, softcap,
                 GQA: tl.constexpr, HEAD_DIM: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr,
-                HAS_INIT: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr):
-    q_start = tl.program_id(0) * BLOCK_M
+                HAS_INIT: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    q_start = _tile_start(BLOCK_M, LONGEST_FIRST)
     head = tl.program_id(1).to(tl.int64)  # head x head stride passes 2**31 in large tensors (32 heads x 1M x 128)
     tile, b, lower, q_tok, bits_row, q_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, q_start,
                                                            LAYOUT, BLOCK_M)
@@ -266,8 +278,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BITS, SLOT_TOKEN, TILE_BATCH, TI
                    s_bits, num_heads, length, window, scale, softcap,
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, LAYOUT: tl.constexpr, BLOCK: tl.constexpr,
                    WINDOW_SET: tl.constexpr, CAUSAL: tl.constexpr, MULTI: tl.constexpr, SOFTCAP: tl.constexpr,
-                   NATIVE: tl.constexpr):
-    q_start = tl.program_id(0) * BLOCK
+                   NATIVE: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    q_start = _tile_start(BLOCK, LONGEST_FIRST)
     head = tl.program_id(1).to(tl.int64)
     tile, b, lower, q_tok, bits_row, q_bits = _tile_tokens(SLOT_TOKEN, TILE_BATCH, TILE_LOWER, BITS, s_bits, q_start,
                                                            LAYOUT, BLOCK)
@@ -398,7 +410,7 @@ class _Kernels:
             q, k, v, self.bits, layout.slot_token, layout.slot_extra, layout.tile_batch, layout.tile_lower,
             layout.tile_seg_start, layout.tile_seg_end, init_out, init_lse, out, lse, *extra,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(init_out), *self._scalars(q),
-            HAS_INIT=init is not None,
+            HAS_INIT=init is not None, LONGEST_FIRST=self.tiles.longest_first,
             BLOCK_M=block_m, BLOCK_N=self.tiles.fwd_n, num_warps=self.tiles.fwd_warps,
             num_stages=self.tiles.fwd_stages, **self._meta(q, window_set, multi))
 
@@ -413,7 +425,7 @@ class _Kernels:
         strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
         programs = layout.num_tiles * tiles.layout // tiles.bwd
         _bwd_dq_kernel[(programs, q.shape[1])](q, k, v, grad_out, lse, delta, dq, *tables, *strides,
-                                               *self._scalars(q), **meta)
+                                               *self._scalars(q), LONGEST_FIRST=tiles.longest_first, **meta)
         _bwd_dkdv_kernel[(programs, k.shape[1])](q, k, v, grad_out, lse, delta, dk, dv, *tables, *strides,
                                                  *self._scalars(q), **meta)
 
