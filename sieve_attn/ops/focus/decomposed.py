@@ -516,9 +516,9 @@ class _Plan:
             # Three rounded partials enter the merge (two with weight about 1): bf16 inputs run the calls on float16
             # copies, whose outputs carry 3 more bits. Decided before the pair layout's read: when no token turns
             # out to be in two groups, nothing is subtracted and the copies only cost their passes.
-            calls = CallInputs.queue_half_copies(q, k, v, self.scale)
+            finish_calls = CallInputs.queue_half_copies(q, k, v, self.scale)
         else:
-            calls = functools.partial(CallInputs.plain, self.scale)
+            finish_calls = functools.partial(CallInputs.plain, self.scale)
         self._queue_sorts()
         if self.window_kernel is not None:
             # With one membership per token in q's dtype, as the group set's partial: the merge reads half the bytes
@@ -529,7 +529,7 @@ class _Plan:
             base = None  # masked calls, after the group set's
         else:  # an empty partial: lse -inf, so its values are never weighed
             base = q.new_zeros(q.shape), q.new_full(q.shape[:3], float("-inf"), dtype=dtype)
-        calls = calls()
+        calls = finish_calls()  # waits for the magnitudes' read (bf16 inclusion-exclusion)
         out_s, lse_s = self._group_forward(q, k, v, calls)
         if base is None:
             base = self._window_forward(q, k, v)
