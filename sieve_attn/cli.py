@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "--distill-weight times KL(teacher || model) of the next-token distributions; under a "
                            "launcher every process holds a whole, unsharded copy of the teacher (default: no "
                            "teacher)")
+    tune.add_argument("--init", type=Path, default=None, metavar="WEIGHTS",
+                      help="start from a fine-tune's weights rather than --model's own: the model.safetensors of a "
+                           "fine-tune of --model (e.g. the dense baseline's, to convert the dense fine-tune to SFA), "
+                           "loaded before SFA is composed and calibrated (default: --model's weights)")
     tune.add_argument("--distill-weight", type=float, default=None,
                       help="with --teacher: weight of the distillation term, > 0 (1.0)")
     tune.add_argument("--calibration-windows", type=int, default=16,
@@ -381,10 +385,14 @@ def cmd_finetune(args) -> int:
     if args.calibration_windows < 1:
         raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
     distill_weight = _distill_weight(args)
+    if args.init is not None and not args.init.is_file():
+        raise SystemExit(f"--init: expected an existing model.safetensors file, got {str(args.init)!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
     model, tokenizer = distributed.load_for_training(args.model, device=args.device)
+    if args.init is not None:  # before compose, so that the calibration below sees these weights
+        load_weights(model, args.init, name="--init")
     mapped = args.method == "sfa" and args.feature_map == "pca"
     calibrated = mapped or (args.method == "sfa" and args.selection == "importance")
     if args.method == "sfa":
@@ -422,6 +430,7 @@ def cmd_finetune(args) -> int:
         record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
                   "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
                   "train_text": args.train_text or ["stdlib"], "training_windows": len(windows),
+                  "init": None if args.init is None else str(args.init),
                   "teacher": None if args.teacher is None else str(args.teacher),
                   "feature_map": args.feature_map if args.method == "sfa" else None,
                   "selection": args.selection if args.method == "sfa" else None,

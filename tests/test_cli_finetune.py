@@ -76,6 +76,17 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
     with pytest.raises(ValueError, match="--teacher: expected the"):
         main(["finetune", *common, "--teacher", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),
               "--out", str(tmp_path / "bad")])
+    # --init starts from the dense fine-tune: before training it scores what that fine-tune scored after.
+    assert main(["finetune", "--method", "dense", *common, "--init", str(teacher),
+                 "--out", str(tmp_path / "init")]) == 0
+    started = json.loads((tmp_path / "init" / "result.json").read_text())
+    dense = json.loads((tmp_path / "dense" / "result.json").read_text())
+    assert started["init"] == str(teacher) and dense["init"] is None
+    assert started["ppl_before"] == pytest.approx(dense["ppl_after"], rel=1e-6)
+    assert dense["ppl_after"] != dense["ppl_before"]  # the two steps moved the weights
+    with pytest.raises(ValueError, match="--init: expected the"):
+        main(["finetune", *common, "--init", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),
+              "--out", str(tmp_path / "bad")])
 
 
 @pytest.mark.parametrize("options, message", [
@@ -85,8 +96,10 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
     (["--teacher", __file__, "--distill-weight", "0"], "--distill-weight: expected a finite number > 0 with "
                                                        "--teacher, got 0"),
     (["--teacher", __file__, "--distill-weight", "nan"], "--distill-weight: expected a finite number > 0"),
+    (["--init", "missing.safetensors"], "--init: expected an existing model.safetensors file, got "
+                                        "'missing.safetensors'"),
 ])
-def test_finetune_refuses_distillation_options_that_cannot_run(tmp_path, options, message):
+def test_finetune_refuses_weight_options_that_cannot_run(tmp_path, options, message):
     with pytest.raises(SystemExit, match=message):
         main(["finetune", "--context", "32", "--threads", "1", "--steps", "1", *options, "--out", str(tmp_path)])
 

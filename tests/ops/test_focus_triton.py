@@ -44,8 +44,9 @@ def test_matches_reference_forward_and_backward(case):
 @pytest.mark.parametrize("slots", [1, 2])
 def test_longest_tiles_first_changes_only_the_launch_order(slots, monkeypatch):
     """Tiling.longest_first reverses the forward's and dq's query tiles; each program still writes only its own
-    rows, so out, lse, dk and dv are the same bit for bit. dq too with one slot per token; with two, a token's two
-    copies add into its dq row atomically, in launch order, so only the order of that float32 sum changes."""
+    rows, so out and lse are the same bit for bit, and with one slot per token the gradients too. With two, a
+    token's two copies add into its dq, dk and dv rows: on the GPU in an order no launch fixes (the H200 gave
+    other dk bits between two calls of the same order), so those are compared to float32 rounding."""
     import dataclasses
     torch.manual_seed(slots)
     q, k, v = (torch.randn(1, 2, 70, 16, device=DEVICE, requires_grad=True) for _ in range(3))
@@ -73,7 +74,7 @@ def test_longest_tiles_first_changes_only_the_launch_order(slots, monkeypatch):
         results.append((out, lse, *torch.autograd.grad(out, (q, k, v), grad)))
     assert orders == [True] * 4 + [False] * 4  # two pair sets, forward and dq
     for name, first, second in zip(("out", "lse", "dq", "dk", "dv"), *results):
-        if name == "dq" and slots == 2:
+        if name in ("dq", "dk", "dv") and slots == 2:
             torch.testing.assert_close(first, second, rtol=1e-6, atol=1e-6)
         else:
             assert torch.equal(first, second), name

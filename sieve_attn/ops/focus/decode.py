@@ -37,8 +37,8 @@ from ..triton_common import dot, is_interpreted, on_device_of, softmax_finish, s
 # ms, top-2 0.127 vs 0.143 ms. 8 warps, 32- and 128-key tiles were slower at D = 128 (v5; ``_block_n``). v9: at 156
 # registers an SM holds 3 programs, and 6 per SM (two whole waves) beat 8 (top-1 0.077 vs 0.088 ms, top-2 0.126 vs
 # 0.141), 3, 4, 9 and 12. v16, with the 256-key scan: 6 per SM still beat 3, 4, 8, 9 and 12 (top-1 0.056 vs
-# 0.061-0.071 ms).
-_NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 4, 2, 6
+# 0.061-0.071 ms). Stages: ``_num_stages``.
+_NUM_WARPS, _PROGRAMS_PER_SM = 4, 6
 # Pass 1 (the scan of the chunk's bit sets): keys per step, a power of two, and its software pipeline's stages (1:
 # none, each step waits for its own load). The list it writes, and so the output, depend on neither. v15-v16
 # (benchmarks/results/focus_h200/v15, v16; 128K, D = 128, K=8, CUDA graphs, ms): 64 keys unpipelined, as measured
@@ -56,6 +56,14 @@ def _block_n(head_dim: int) -> int:
     not measured. At an 8K cache, D = 64, the 128-key tiles took 0.019-0.020 ms against 0.017-0.019 (call M's 64-key
     tiles with the 256-key scan: not side by side): a chunk there is one tile of 128 keys, mostly masked."""
     return 128 if head_dim <= 64 else 64
+
+
+def _num_stages(head_dim: int) -> int:
+    """Software-pipeline stages of the attention tiles. v17 (call R, 128K, K=8, CUDA graphs, 6 programs per SM,
+    side by side): at D = 64, 128-key tiles, 3 stages beat 2 (top-1 0.038 vs 0.039 ms, top-2 0.067 vs 0.071 on the
+    combinations groups, 0.060 vs 0.063 adjacent); at D = 128, 64-key tiles, 2 beat 3 (0.055 vs 0.058 ms top-1,
+    0.104 vs 0.111 top-2, 0.093 vs 0.099 adjacent), as in v7."""
+    return 3 if head_dim <= 64 else 2
 
 
 @triton.jit
@@ -175,7 +183,8 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
             1.0 if softcap is None else softcap, work.chunk_keys, work.chunks,
             HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=block_n, SCAN_N=_SCAN_N, SCAN_STAGES=_SCAN_STAGES,
             SOFTCAP=softcap is not None,
-            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
+            num_stages=_num_stages(head_dim))
         if work.chunks > 1:
             split_k.merge(part_out, part_lse, out, lse)
     return out, lse
