@@ -42,7 +42,8 @@ class Tiling:
     """Tile sizes: ``layout`` slots per layout tile; forward query x key tiles (the window set's query tiles are
     ``window_m``); backward tiles (dq and dk/dv). ``longest_first``: the forward and dq kernels take their query
     tiles in reverse, so that a causal segment's last tiles, which walk the most key steps, start first and short
-    ones fill the tail of the launch (the dk/dv kernel's first key tiles walk the most queries already)."""
+    ones fill the tail of the launch (the dk/dv kernel's first key tiles walk the most queries already). H200, v17
+    (top-1, CUDA graphs, side by side): the forward even at 8K, 3-6% faster from 16K (64K K=8 3.36 vs 3.49 ms)."""
 
     layout: int
     fwd_m: int

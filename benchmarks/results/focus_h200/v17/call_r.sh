@@ -1,5 +1,6 @@
 #!/bin/bash
-# v17 call R (to run; written in session 20): the Triton kernels' query tiles longest first (Tiling.longest_first).
+# v17 call R (written in session 20; ran in session 21, outputs in call_r/): the Triton kernels' query tiles
+# longest first (Tiling.longest_first).
 # CUDA tests of the Triton kernels, the probe of both orders, then the gated 8K-64K top-1 bench as CUDA graphs with
 # the committed order. If launch order wins, set longest_first=False in triton_prefill.tiling and record it.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -1,4 +1,5 @@
-"""Device probe (v17, written in session 20, not yet run): the decode plans v16 left untimed.
+"""Device probe (v17, written in session 20; ran in call R, session 21, at commit 45cc71f, a record now: it sets
+decode._NUM_STAGES, which v18 replaced by decode._num_stages): the decode plans v16 left untimed.
 - D=64, 128K cached tokens: 128-key tiles (the committed plan) with 3 pipeline stages or 4-5 programs per SM,
   each of which helped 64-key tiles there (v16: top-1 0.047 -> 0.041 and 0.044 ms).
 - D=64, 8K and 32K: 128- against 64-key tiles. At 8K a chunk is 128 keys, one mostly masked 128-key tile (v16 call

@@ -1,4 +1,4 @@
-"""Device probe (v17, written in session 20, not yet run): the Triton kernels' query tiles in reverse
+"""Device probe (v17, written in session 20; ran in call R, session 21): the Triton kernels' query tiles in reverse
 (`Tiling.longest_first`, the committed default) against launch order, top-1, one group per token.
 
 Count first (8K tokens, K=8, H=8, D=128): the group set has 8 tiles of 128 queries per group, tile i walking 2(i + 1)
