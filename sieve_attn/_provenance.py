@@ -1,6 +1,9 @@
-"""Which code produced a result: the git commit of the checkout the package runs from."""
+"""Which code produced a result: the git commit of the checkout the package runs from, and a digest of the
+package's sources, which names the code where the commit cannot (a copy of the tree whose git metadata is stale, an
+installed package)."""
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -26,3 +29,16 @@ def git_commit(short: bool = False) -> Optional[str]:
     if changes is None:
         return commit + "-unchecked"
     return commit + "-dirty" if changes else commit
+
+
+def source_digest(root: Optional[Path] = None) -> str:
+    """"sha256:HEX" over the package's Python sources (default: the folder of this file): each ``.py`` file's path
+    relative to ``root`` and its bytes, in sorted path order. Two trees with the same sources give the same digest
+    whatever git says of them; ``python -c "from sieve_attn._provenance import source_digest as d; print(d())"`` in a
+    checkout of a commit gives that commit's."""
+    root = Path(__file__).parent if root is None else Path(root)
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return "sha256:" + digest.hexdigest()

@@ -30,7 +30,7 @@ def test_main_writes_table_json_and_png(tmp_path, capsys):
     record = json.loads((out / "bench_focus.json").read_text())
     assert (out / "speedup_vs_length.png").stat().st_size > 0
     assert record["settings"]["lengths"] == [256, 512] and record["settings"]["backend"] == "reference"
-    assert {"device", "torch", "triton", "cuda", "cudnn", "commit"} <= set(record["environment"])
+    assert {"device", "torch", "triton", "cuda", "cudnn", "commit", "source_digest"} <= set(record["environment"])
     rows = record["rows"]
     assert {r["mode"] for r in rows} == {"forward", "forward+backward", "decode"}
     assert len(rows) == 2 * 2 * 2 + 2  # (forward, backward) x lengths x top-k, then decode x top-k

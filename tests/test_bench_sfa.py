@@ -24,7 +24,7 @@ def test_main_writes_table_json_and_png(tmp_path, capsys):
     record = json.loads((out / "bench_sfa.json").read_text())
     assert (out / "sfa_speedup_vs_length.png").stat().st_size > 0
     assert record["settings"]["lengths"] == [128, 256] and record["settings"]["top_ks"] == [4, 8]
-    assert {"device", "torch", "triton", "cuda", "cudnn", "commit"} <= set(record["environment"])
+    assert {"device", "torch", "triton", "cuda", "cudnn", "commit", "source_digest"} <= set(record["environment"])
     rows = record["rows"]
     assert [r["mode"] for r in rows].count(FORWARD) == 4 and [r["mode"] for r in rows].count(BACKWARD) == 4
     assert [r["mode"] for r in rows].count(DECODE) == 2

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from sieve_attn._provenance import source_digest
 from sieve_attn.cli import build_parser, main
 
 
@@ -72,6 +73,7 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
     record = json.loads((tmp_path / "sfa" / "result.json").read_text())
     assert record["teacher"] == str(teacher) and record["settings"]["distill_weight"] == 2.0
     assert record["selection"] == "importance"  # the default
+    assert record["environment"]["source_digest"] == source_digest()  # names the code that trained it
     assert all(row[3] > 0 for row in record["history"])  # the KL term of every step
     with pytest.raises(ValueError, match="--teacher: expected the"):
         main(["finetune", *common, "--teacher", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),

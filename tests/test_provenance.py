@@ -1,4 +1,4 @@
-"""The commit recorded with results says when the code differed from it."""
+"""The commit recorded with results says when the code differed from it; the source digest names the code itself."""
 from __future__ import annotations
 
 import subprocess
@@ -47,3 +47,23 @@ def test_no_checkout_gives_none(monkeypatch):
 def test_this_checkout_names_a_commit():
     commit = provenance.git_commit()
     assert commit is not None and len(commit.split("-")[0]) == 40
+
+
+def test_the_source_digest_follows_the_sources_and_only_them(tmp_path):
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "ops" / "b.py").write_text("y = 2\n")
+    first = provenance.source_digest(tmp_path)
+    assert first.startswith("sha256:") and len(first) == 7 + 64
+    (tmp_path / "notes.txt").write_text("not a source")
+    (tmp_path / "ops" / "c.pyc").write_bytes(b"compiled")
+    assert provenance.source_digest(tmp_path) == first
+    (tmp_path / "ops" / "b.py").write_text("y = 3\n")
+    changed = provenance.source_digest(tmp_path)
+    assert changed != first
+    (tmp_path / "ops" / "b.py").rename(tmp_path / "b.py")  # same bytes at another path
+    assert provenance.source_digest(tmp_path) not in (first, changed)
+
+
+def test_the_package_has_a_source_digest():
+    assert provenance.source_digest() == provenance.source_digest(Path(provenance.__file__).parent)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import skip_nan_checks
-from .._provenance import git_commit
+from .._provenance import git_commit, source_digest
 from .timing import graphed, measure
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -563,7 +563,7 @@ def environment(device: torch.device) -> dict:
     return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
             "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version() if cuda else None, "python": platform.python_version(),
-            "commit": git_commit()}
+            "commit": git_commit(), "source_digest": source_digest()}
 
 
 def plot_modes(rows: list[dict], path: Path, draw: Callable) -> Path:

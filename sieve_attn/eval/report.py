@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .._checks import fail
-from .._provenance import git_commit
+from .._provenance import git_commit, source_digest
 from ..integrations.transformers import focus_layers, has_focus, is_composed, set_focus_mode
 from .perplexity import perplexity
 
@@ -62,7 +62,7 @@ def environment() -> dict:
     commit = git_commit(short=True)
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
-            "threads": torch.get_num_threads(), "commit": commit,
+            "threads": torch.get_num_threads(), "commit": commit, "source_digest": source_digest(),
             # TF32 matmuls for float32 (torch.backends.cuda.matmul.allow_tf32, or TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1)
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
 
