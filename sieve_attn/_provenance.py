@@ -34,8 +34,9 @@ def git_commit(short: bool = False) -> Optional[str]:
 def source_digest(root: Optional[Path] = None) -> str:
     """"sha256:HEX" over the package's Python sources (default: the folder of this file): each ``.py`` file's path
     relative to ``root`` and its bytes, in sorted path order. Two trees with the same sources give the same digest
-    whatever git says of them; ``python -c "from sieve_attn._provenance import source_digest as d; print(d())"`` in a
-    checkout of a commit gives that commit's."""
+    whatever git says of them and wherever they lie; ``python -c "from sieve_attn._provenance import source_digest
+    as d; print(d())"`` in a checkout of a commit gives that commit's. Every ``.py`` file counts, tracked or not, and
+    its bytes as stored (a checkout that rewrites line endings gives another digest)."""
     root = Path(__file__).parent if root is None else Path(root)
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):

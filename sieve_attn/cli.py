@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--init", type=Path, default=None, metavar="WEIGHTS",
                       help="start from a fine-tune's weights rather than --model's own: the model.safetensors of a "
                            "fine-tune of --model (e.g. the dense baseline's, to convert the dense fine-tune to SFA), "
-                           "loaded before SFA is composed and calibrated (default: --model's weights)")
+                           "loaded before SFA is composed and calibrated; --resume asks for the same file (default: "
+                           "--model's weights)")
     tune.add_argument("--distill-weight", type=float, default=None,
                       help="with --teacher: weight of the distillation term, > 0 (1.0)")
     tune.add_argument("--calibration-windows", type=int, default=16,
@@ -391,8 +392,9 @@ def cmd_finetune(args) -> int:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
     model, tokenizer = distributed.load_for_training(args.model, device=args.device)
+    init = None  # the digest of the --init weights, which a resumed run must share
     if args.init is not None:  # before compose, so that the calibration below sees these weights
-        load_weights(model, args.init, name="--init")
+        init = load_weights(model, args.init, name="--init")
     mapped = args.method == "sfa" and args.feature_map == "pca"
     calibrated = mapped or (args.method == "sfa" and args.selection == "importance")
     if args.method == "sfa":
@@ -421,7 +423,7 @@ def cmd_finetune(args) -> int:
                                 validate_every=args.validate_every, mixed_precision=args.mixed_precision,
                                 distill_weight=distill_weight)
     result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
-                      resume=args.resume)
+                      resume=args.resume, init=init)
     del teacher  # its device memory, before the final scores
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:

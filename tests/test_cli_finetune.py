@@ -86,6 +86,11 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
     assert started["init"] == str(teacher) and dense["init"] is None
     assert started["ppl_before"] == pytest.approx(dense["ppl_after"], rel=1e-6)
     assert dense["ppl_after"] != dense["ppl_before"]  # the two steps moved the weights
+    # An SFA conversion loads --init before it composes and calibrates: its plain top-k already scores otherwise.
+    assert main(["finetune", "--method", "sfa", *common, "--init", str(teacher),
+                 "--out", str(tmp_path / "sfa_init")]) == 0
+    converted = json.loads((tmp_path / "sfa_init" / "result.json").read_text())
+    assert converted["ppl_uncalibrated"] != record["ppl_uncalibrated"]
     with pytest.raises(ValueError, match="--init: expected the"):
         main(["finetune", *common, "--init", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),
               "--out", str(tmp_path / "bad")])

@@ -65,5 +65,8 @@ def test_the_source_digest_follows_the_sources_and_only_them(tmp_path):
     assert provenance.source_digest(tmp_path) not in (first, changed)
 
 
-def test_the_package_has_a_source_digest():
-    assert provenance.source_digest() == provenance.source_digest(Path(provenance.__file__).parent)
+def test_the_package_digest_is_the_same_wherever_its_sources_lie(tmp_path):
+    import shutil
+    package = Path(provenance.__file__).parent
+    copy = shutil.copytree(package, tmp_path / "elsewhere" / "sieve_attn", ignore=shutil.ignore_patterns("*.pyc"))
+    assert provenance.source_digest() == provenance.source_digest(copy)

@@ -291,7 +291,7 @@ def _save_weights(model, names: list[str], path: Path, runtime) -> None:
 
 def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings | None = None, *,
              validation: torch.Tensor | None = None, teacher: torch.nn.Module | None = None, resume: bool = False,
-             progress: bool = True) -> dict:
+             progress: bool = True, init: str | None = None) -> dict:
     """Trains every weight of ``model`` (plain, or composed with an SFAConfig, whose feature maps it trains too) on
     token windows [N, T].
 
@@ -318,6 +318,9 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     Distillation: with ``settings.distill_weight`` > 0, ``teacher`` (a frozen model of the same vocabulary, e.g. the
     dense fine-tune of the same model: :func:`load_weights`) is moved to the model's device and the loss gains
     ``distill_weight`` * KL(teacher || model) per token (:func:`distillation_loss`); the teacher is not trained.
+
+    ``init``: the digest of the weights the model started from when they are not its own (what :func:`load_weights`
+    returns, e.g. for ``sieve finetune --init``; None: the model's own), which a resumed run must share.
 
     Returns {"steps", "history": [(step, lm loss, matching term or None, distillation term or None)], "weights",
     "validations": [(step, NLL)],
@@ -369,7 +372,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
                    restore=partial(_restore, model, optimizer, params, out_dir if validating else None),
                    begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),
-                   identity={"model": composed_configs(model), "teacher": teacher_digest(teacher)},
+                   identity={"model": composed_configs(model), "teacher": teacher_digest(teacher), "init": init},
                    **early_stopping)
     model.eval()
     for layer in layers:
@@ -392,9 +395,11 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
             "validations": validations, "best_step": None if best is None else best[0]}
 
 
-def load_weights(model, path, name: str = "weights") -> None:
-    """Loads fine-tuned weights written by :func:`finetune` (``model.safetensors``) into ``model``; refuses a file
-    whose tensors do not match the model's own weights in name and shape (ValueError naming ``name``)."""
+def load_weights(model, path, name: str = "weights") -> str:
+    """Loads fine-tuned weights written by :func:`finetune` (``model.safetensors``) into ``model`` and returns their
+    digest (:func:`~sieve_attn.train.checkpoint.tensors_digest`); refuses a file whose tensors do not match the
+    model's own weights in name and shape (ValueError naming ``name``)."""
     tensors = load_file(str(path))
     check_tensors_fit(name, tensors, own_weights(trained_parameters(model)), "weights of this model")
     model.load_state_dict(tensors, strict=False)
+    return tensors_digest(tensors)

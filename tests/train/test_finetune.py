@@ -362,6 +362,16 @@ def test_resume_refuses_another_teacher(tmp_path):
                  teacher=tiny_model("llama", seed=4), resume=True, progress=False)
 
 
+def test_resume_refuses_another_start(tmp_path):
+    """A run started from other weights (sieve finetune --init) resumes only with the same ones."""
+    settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2)
+    finetune(tiny_model("llama"), _windows(), tmp_path, settings, init="sha256:0123456789abcdef", progress=False)
+    with pytest.raises(ValueError, match="init: expected 'sha256:0123456789abcdef', what .*checkpoint.pt was "
+                                         "trained with, got None"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(**{**settings.__dict__, "steps": 2}),
+                 resume=True, progress=False)
+
+
 def test_resume_refuses_other_windows(tmp_path):
     settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2)
     finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings, progress=False)

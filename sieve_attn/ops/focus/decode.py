@@ -58,12 +58,14 @@ def _block_n(head_dim: int) -> int:
     return 128 if head_dim <= 64 else 64
 
 
-def _num_stages(head_dim: int) -> int:
-    """Software-pipeline stages of the attention tiles. v17 (call R, 128K, K=8, CUDA graphs, 6 programs per SM,
-    side by side): at D = 64, 128-key tiles, 3 stages beat 2 (top-1 0.038 vs 0.039 ms, top-2 0.067 vs 0.071 on the
-    combinations groups, 0.060 vs 0.063 adjacent); at D = 128, 64-key tiles, 2 beat 3 (0.055 vs 0.058 ms top-1,
-    0.104 vs 0.111 top-2, 0.093 vs 0.099 adjacent), as in v7."""
-    return 3 if head_dim <= 64 else 2
+def _num_stages(head_dim: int, itemsize: int) -> int:
+    """Software-pipeline stages of the attention tiles for a cache of ``itemsize``-byte elements. v17 (call R, bf16,
+    128K, K=8, CUDA graphs, 6 programs per SM, side by side): at D = 64, 128-key tiles, 3 stages beat 2 (top-1 0.038
+    vs 0.039 ms, top-2 0.067 vs 0.071 on the combinations groups, 0.060 vs 0.063 adjacent); at D = 128, 64-key
+    tiles, 2 beat 3 (0.055 vs 0.058 ms top-1, 0.104 vs 0.111 top-2, 0.093 vs 0.099 adjacent), as in v7. A float32
+    cache keeps 2 (not timed with 3): a third stage would add 64 KiB of staged K and V tiles at D = 64, which the
+    shared memory of GPUs before Hopper (about 100 KiB per SM) may not hold."""
+    return 3 if head_dim <= 64 and itemsize <= 2 else 2
 
 
 @triton.jit
@@ -184,7 +186,7 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
             HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=block_n, SCAN_N=_SCAN_N, SCAN_STAGES=_SCAN_STAGES,
             SOFTCAP=softcap is not None,
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
-            num_stages=_num_stages(head_dim))
+            num_stages=_num_stages(head_dim, q.element_size()))
         if work.chunks > 1:
             split_k.merge(part_out, part_lse, out, lse)
     return out, lse
