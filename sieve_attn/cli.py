@@ -357,6 +357,12 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _check_weights_file(option: str, path: Path | None) -> None:
+    """SystemExit naming ``option`` when ``path`` is given but is no file, before any model is loaded."""
+    if path is not None and not path.is_file():
+        raise SystemExit(f"{option}: expected an existing model.safetensors file, got {str(path)!r}")
+
+
 def _distill_weight(args) -> float:
     """The distillation weight the options ask for (0 without --teacher); SystemExit for a combination that cannot
     run, before any model is loaded."""
@@ -364,8 +370,7 @@ def _distill_weight(args) -> float:
         if args.distill_weight is not None:
             raise SystemExit(f"--distill-weight: expected only with --teacher, got {args.distill_weight:g} without")
         return 0.0
-    if not args.teacher.is_file():
-        raise SystemExit(f"--teacher: expected an existing model.safetensors file, got {str(args.teacher)!r}")
+    _check_weights_file("--teacher", args.teacher)
     weight = 1.0 if args.distill_weight is None else args.distill_weight
     if not 0 < weight < float("inf"):  # also refuses NaN
         raise SystemExit(f"--distill-weight: expected a finite number > 0 with --teacher, got {weight:g}")
@@ -386,8 +391,7 @@ def cmd_finetune(args) -> int:
     if args.calibration_windows < 1:
         raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
     distill_weight = _distill_weight(args)
-    if args.init is not None and not args.init.is_file():
-        raise SystemExit(f"--init: expected an existing model.safetensors file, got {str(args.init)!r}")
+    _check_weights_file("--init", args.init)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
