@@ -15,7 +15,7 @@ import torch
 
 import sieve_attn.ops.focus.decomposed as decomposed
 from sieve_attn.ops import gather, merge
-from sieve_attn.ops.focus import sdpa_ops
+from sieve_attn.ops.focus import sdpa_ops, segments
 from sieve_attn.ops.focus.attention import focus_attention, focus_backend
 from sieve_attn.ops.focus.decomposed import SortedGroups
 
@@ -244,6 +244,7 @@ def test_window_kernel_in_the_decomposition_matches_reference(case, monkeypatch)
     monkeypatch.setattr(decomposed, "window_kernel_serves", lambda q, groups: groups.bits is not None)
     monkeypatch.setattr(decomposed, "gather_rows", gather.gather_rows_triton)  # the packing CUDA runs, too
     monkeypatch.setattr(decomposed, "merge_indexed", merge_kernel)
+    monkeypatch.setattr(segments, "serves", lambda ids: ids.numel() > 0)  # the layout's kernels
     check_against_reference(case, CASES[case], "sdpa", SPREAD.get(case, 1), OFFSET.get(case, 0),
                             sink=case not in NO_SINK)
     # the one sdpa run merges its partials by one kernel, whatever the memberships; inclusion-exclusion's pair
@@ -326,6 +327,37 @@ def test_sorted_groups_take_memory_of_the_memberships_not_of_the_ids():
     got = focus_attention(q, q, q, ids, window=1, backend="sdpa")
     want = focus_attention(q.double(), q.double(), q.double(), ids, window=1, backend="reference")
     assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("batch, length, num_groups, slots", [
+    (2, 37, 5, 1),      # one block of entries
+    (2, 700, 5, 2),     # several blocks, runs across their edges, empty id slots
+    (1, 3000, 8, 1),
+    (3, 500, 63, 2),    # the most groups bit sets hold
+])
+def test_sorted_groups_of_the_kernels_equal_pytorchs(batch, length, num_groups, slots):
+    """The Triton build of the layout (CUDA's; the interpreter here) gives every field of the PyTorch build, for
+    the groups and, with two slots, for the pairs of groups (a token in one group has no pair: partial)."""
+    pytest.importorskip("triton")
+    ids = make_groups(batch, length, num_groups, slots, seed=length, sink=False)
+    cases = [(ids, num_groups, False)]
+    if slots == 2:
+        cases.append((decomposed._pair_classes(ids, num_groups), num_groups ** 2, True))
+    for case_ids, case_groups, partial in cases:
+        want = SortedGroups.start(case_ids.cpu(), case_groups, partial).finish()  # CPU ids: PyTorch's build
+        got = segments.start(case_ids, case_groups, partial, decomposed._read_later).finish()
+        for field in ("member_token", "member_entry", "counts", "segment_group", "slot_token", "member_slot",
+                      "entry_slot"):
+            assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), field
+        assert (got.length, got.one_each, got.num_segments) == (want.length, want.one_each, want.num_segments)
+
+
+def test_sorted_groups_of_the_kernels_take_memory_of_the_memberships_not_of_the_ids():
+    pytest.importorskip("triton")
+    ids = torch.tensor([[0, 10 ** 12, 0, 5, 10 ** 12, 5, 0, 5]], device=DEVICE)[..., None]
+    layout = segments.start(ids, 10 ** 12 + 1, False, decomposed._read_later).finish()
+    assert layout.counts.tolist() == [3, 3, 2] and layout.segment_group.tolist() == [0, 5, 10 ** 12]
+    assert layout.slot_tokens().tolist() == [[0, 2, 6], [3, 5, 7], [1, 4, -1]]
 
 
 def test_sorted_groups_with_one_group_per_token_map_tokens_to_slots_both_ways():

@@ -56,8 +56,10 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..gather import gather_rows
+from ..magnitude import largest_magnitudes
 from ..merge import merge_indexed
 from ..triton_common import kernel_blocker, on_device_of
+from . import segments
 from .groups import FocusGroups
 from .layout import sort_key_dtype
 from .sdpa_ops import causal_call, masked_family
@@ -133,11 +135,17 @@ class SortedGroups:
     segment_group: torch.Tensor  # [S] group id of each segment
     slot_token: torch.Tensor     # [S * L] the token (b * T + t) in each slot, -1 for padding
     member_slot: torch.Tensor    # [E] the slot (s * L + r) of each membership
-    token_slot: Optional[torch.Tensor]  # [B * T] the slot of each token, with one membership each (else None)
+    entry_slot: torch.Tensor     # [B * T * m] the slot of each entry of the ids, -1 for an empty one
+    one_each: bool               # every token has exactly one membership (m = 1, no empty slot)
     sequences: int               # B
     tokens: int                  # T
     id_slots: int                # m
     length: int                  # L
+
+    @property
+    def token_slot(self) -> Optional[torch.Tensor]:
+        """[B * T] the slot of each token, with one membership each (else None)."""
+        return self.entry_slot if self.one_each else None
 
     @property
     def multi(self) -> bool:
@@ -151,11 +159,16 @@ class SortedGroups:
         return cls.start(ids, num_groups).finish()
 
     @classmethod
-    def start(cls, ids: torch.Tensor, num_groups: int, partial: bool = False) -> "_SortInFlight":
+    def start(cls, ids: torch.Tensor, num_groups: int,
+              partial: bool = False) -> "_SortInFlight | segments.KernelSortInFlight":
         """:meth:`of` in two halves: this one queues the device work and the read of the three sizes that shape the
         layout (the longest segment, the number of segments and of memberships); :meth:`_SortInFlight.finish` waits
         for that read. Work queued in between runs on the device while the host waits, and the host waits for
-        nothing else. ``partial``: with one slot, some tokens may have no group (-1)."""
+        nothing else. ``partial``: with one slot, some tokens may have no group (-1).
+
+        On CUDA a few Triton kernels (:mod:`.segments`) do what the PyTorch code below does, from the same sort."""
+        if segments.serves(ids):
+            return segments.start(ids, num_groups, partial, _read_later)
         batch, length, slots = ids.shape
         flat = ids.reshape(-1)
         token = torch.arange(flat.numel(), device=ids.device) // slots
@@ -224,11 +237,7 @@ class SortedGroups:
     def entry_slots(self) -> torch.Tensor:
         """[B * T, m] int64: the slot (s * L + r) of each token's membership in each of its m id slots, -1 for an
         empty one; the part index of :func:`~sieve_attn.ops.merge.merge_indexed`."""
-        if self.token_slot is not None:
-            return self.token_slot[:, None]
-        slots = self.member_slot.new_full((self.sequences * self.tokens * self.id_slots,), -1)
-        slots[self.member_entry] = self.member_slot
-        return slots.view(-1, self.id_slots)
+        return self.entry_slot.view(-1, self.id_slots)
 
 
 def _read_later(values: torch.Tensor):
@@ -250,8 +259,8 @@ def _read_later(values: torch.Tensor):
 
 @dataclass(frozen=True)
 class _SortInFlight:
-    """The device half of :meth:`SortedGroups.of`, before the read of the sizes: N = B x T x m entries sorted,
-    the E memberships first."""
+    """The device half of :meth:`SortedGroups.of` built by PyTorch ops (off CUDA; the reference of
+    :mod:`.segments`), before the read of the sizes: N = B x T x m entries sorted, the E memberships first."""
 
     token: torch.Tensor          # [N] the token of each entry
     entry: torch.Tensor          # [N] its index in the ids
@@ -272,12 +281,12 @@ class _SortInFlight:
         device = self.token.device
         slot_token = torch.full((num_segments * longest,), -1, dtype=torch.long, device=device)
         slot_token[member_slot] = token
-        token_slot = None
-        if self.one_each:
-            token_slot = torch.empty(self.sequences * self.tokens, dtype=torch.long, device=device)
-            token_slot[token] = member_slot
+        entry_slot = torch.full((self.sequences * self.tokens * self.id_slots,), -1, dtype=torch.long,
+                                device=device)
+        entry_slot[entry] = member_slot
         return SortedGroups(token, entry, self.members[:num_segments], self.segment_group[:num_segments], slot_token,
-                            member_slot, token_slot, self.sequences, self.tokens, self.id_slots, length=longest)
+                            member_slot, entry_slot, self.one_each, self.sequences, self.tokens, self.id_slots,
+                            length=longest)
 
 
 def _pair_classes(ids: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -321,7 +330,7 @@ class CallInputs:
 
         Queues the three largest magnitudes and their copy to the host; the returned function waits for that one
         read and gives the CallInputs."""
-        read = _read_later(torch.stack([torch.linalg.vector_norm(t, float("inf")).float() for t in (q, k, v)]))
+        read = _read_later(largest_magnitudes((q, k, v)))
 
         def finish() -> "CallInputs":
             # at most 2^100, so that the factors stay float32 numbers for the tiniest tensors (their smallest values
