@@ -1,8 +1,8 @@
 """The largest magnitude of each of a few tensors: what the decomposition's float16 copies are scaled by.
 
 PyTorch's reduction (``torch.linalg.vector_norm(x, inf)``) read bf16 q, k and v [1, 8, 64K, 128] in 0.15-0.18 ms on
-the H200 (2.1-2.6 TB/s); on CUDA a Triton kernel reads each tensor once with about a thousand programs, each folding
-its rows of one head into one atomic maximum: 0.10-0.11 ms at 64K tokens (3.4 TB/s), 0.375 ms at 256K against 0.478
+the H200 (2.2-2.6 TB/s); on CUDA a Triton kernel reads each tensor once with about a thousand programs, each folding
+its rows of one head into one atomic maximum: 0.10-0.11 ms at 64K tokens (3.5 TB/s), 0.375 ms at 256K against 0.478
 (v19 in benchmarks/results/focus_h200/NOTES.md).
 """
 from __future__ import annotations
@@ -62,11 +62,12 @@ def _largest_kernel(X, BITS, heads, length, dim, s_b, s_h, s_t, s_d, ROWS: tl.co
     sequence_head = tl.program_id(0)
     head = X + (sequence_head // heads).to(tl.int64) * s_b + (sequence_head % heads).to(tl.int64) * s_h
     features = tl.arange(0, BLOCK_D)
-    offsets = features[None, :] * s_d
+    offsets = features.to(tl.int64)[None, :] * s_d  # a permuted view's feature stride may pass 2**31 / D
     inside = (features < dim)[None, :]
     largest = tl.zeros([ROWS, BLOCK_D], tl.int32)
     for first in range(tl.program_id(1) * ROWS, length, tl.num_programs(1) * ROWS):
         t = first + tl.arange(0, ROWS)
         x = tl.load(head + t.to(tl.int64)[:, None] * s_t + offsets, mask=(t < length)[:, None] & inside, other=0.0)
-        largest = tl.maximum(largest, tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True))
+        # |x| as the bit pattern with the sign bit cleared: NaN stays above infinity whatever abs() makes of NaN
+        largest = tl.maximum(largest, x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     tl.atomic_max(BITS, tl.max(tl.max(largest, axis=1), axis=0))

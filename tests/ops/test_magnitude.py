@@ -43,3 +43,11 @@ def test_empty_tensors_have_largest_magnitude_zero():
     if DEVICE == "cpu":
         pytest.importorskip("triton")
         assert magnitude.largest_magnitudes_triton(tensors).tolist() == [0.0, 1.0]
+
+
+def test_kernel_passes_a_negative_nan_on():
+    """A NaN whose sign bit is set (what -nan and some kernels write) still reads as NaN."""
+    pytest.importorskip("triton")
+    x = torch.zeros(1, 1, 4, 16, device=DEVICE)
+    x[0, 0, 1, 3] = -float("nan")
+    assert torch.signbit(x[0, 0, 1, 3]) and magnitude.largest_magnitudes_triton([x])[0].isnan()

@@ -162,9 +162,10 @@ class SortedGroups:
     def start(cls, ids: torch.Tensor, num_groups: int,
               partial: bool = False) -> "_SortInFlight | segments.KernelSortInFlight":
         """:meth:`of` in two halves: this one queues the device work and the read of the three sizes that shape the
-        layout (the longest segment, the number of segments and of memberships); :meth:`_SortInFlight.finish` waits
-        for that read. Work queued in between runs on the device while the host waits, and the host waits for
-        nothing else. ``partial``: with one slot, some tokens may have no group (-1).
+        layout (the longest segment, the number of segments and of memberships); the returned object's ``finish()``
+        (:meth:`_SortInFlight.finish`, :meth:`.segments.KernelSortInFlight.finish`) waits for that read. Work
+        queued in between runs on the device while the host waits, and the host waits for nothing else. ``partial``:
+        with one slot, some tokens may have no group (-1).
 
         On CUDA a few Triton kernels (:mod:`.segments`) do what the PyTorch code below does, from the same sort."""
         if segments.serves(ids):

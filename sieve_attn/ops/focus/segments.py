@@ -6,8 +6,9 @@ equal (sequence, group) are the segments. PyTorch finds the runs with about thir
 scatter launches over the N entries; here five small kernels do it before the one read of the sizes and one after
 it. On the H200 at 64K tokens (K = 8; v19 in benchmarks/results/focus_h200/NOTES.md) a forward's layout kernels
 took 0.08 ms instead of 0.135 with one group per token, and 0.19 ms instead of 0.32 for the two layouts of two
-groups each; its launches fell from 52 to 25 and from 133 to 56. The forward's own time did not move (side by
-side, within 0.01 ms).
+groups each; its launches fell from 52 to 25 and from 133 to 56. Side by side (three runs each, the bench's
+queued calls) the forward took 2.441-2.528 ms against 2.512-2.523 (top-1) and 8.879-9.545 against 9.353-9.824
+(top-2): a gain of about 0.07 and 0.2 ms, inside the spread of the power-capped cuDNN calls.
 
 1. ``_entry_keys``: each entry's sort key; empty slots (-1) get a key past every membership's.
 2. ``_count_runs``: per block of sorted entries, how many runs start in it and how many entries are memberships.

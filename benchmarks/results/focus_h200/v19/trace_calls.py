@@ -1,6 +1,6 @@
 """Focus v19 trace (H200, bf16, B=1, H=8, D=128, w=128, K=8, the bench's groups, backend sdpa, 64K tokens): where a
 forward's time goes when calls are queued back to back as the bench times them (L2 flush, call, flush, call, ...).
-Three calls of top-1 and of top-2 under the profiler (host and device); per call, from its first kernel's start to
+Four calls of top-1 and of top-2 under the profiler (host and device); per call, from its first kernel's start to
 the next call's flush: the kernels' busy time, the device's idle gaps longer than 5 us and what the host was doing
 in them (the host op running at the gap's start). Run once per code version (PYTHONPATH picks it): `trace_calls.py
 LABEL`. Writes $OUT/trace_summary_LABEL.json and the gzipped traces."""
