@@ -40,9 +40,9 @@ CONFIGS = {
     "dense": ["--method", "dense"],
     **{f"k{k}-{basis}l{weight:g}": _sfa(k, weight, basis)
        for basis in BASES for k in (16, 8) for weight in (1, 0, 10, 0.1)},
-    # Gradual sparsification: top-k falls from the head dim over the first 100 steps.
-    **{f"k{k}-{basis}l{weight:g}-warm100": _sfa(k, weight, basis, 100)
-       for basis in BASES for k in (16, 8) for weight in (1, 0, 10, 0.1)},
+    # Gradual sparsification: top-k falls from the head dim over the first 100, 200 or 300 steps.
+    **{f"k{k}-{basis}l{weight:g}-warm{warmup}": _sfa(k, weight, basis, warmup)
+       for basis in BASES for k in (16, 8) for weight in (1, 0, 10, 0.1) for warmup in (100, 200, 300)},
 }
 
 
