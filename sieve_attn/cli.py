@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "speed) (auto)")
     tune.add_argument("--matching-weight", type=float, default=1.0,
                       help="SFA: weight of the output-matching term (1.0; 0 turns it off)")
+    tune.add_argument("--sparsity-weight", type=float, default=0.0,
+                      help="SFA: weight of the residual-energy term (0: off, the default): the mean over layers "
+                           "of the fraction of q's and k's energy (in the feature basis) that the top-k drops, which "
+                           "reaches the dropped coordinates the straight-through LM gradient never does")
     tune.add_argument("--topk-warmup", type=int, default=0,
                       help="SFA: steps over which top-k falls geometrically from the head dim to --topk (gradual "
                            "sparsification; 0: --topk from the start)")
@@ -425,7 +429,7 @@ def cmd_finetune(args) -> int:
                                 checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
                                 micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
                                 validate_every=args.validate_every, mixed_precision=args.mixed_precision,
-                                distill_weight=distill_weight)
+                                distill_weight=distill_weight, sparsity_weight=args.sparsity_weight)
     result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
                       resume=args.resume, init=init)
     del teacher  # its device memory, before the final scores

@@ -19,6 +19,7 @@ def test_help_explains_finetune(capsys):
     assert "--selection" in text and "importance (default; largest |x| times the root mean square" in text
     assert "SFAConfig keeps magnitude as its default: its importance weights are all 1" in text
     assert "--teacher" in text and "KL(teacher || model)" in text
+    assert "--sparsity-weight" in text and "the straight-through LM gradient never does" in text
     # Several processes: the split of each batch, and who evaluates and writes.
     assert "`accelerate launch`" in text and "--batch-size must be a multiple of the number of processes" in text
     assert "Every process computes the held-out perplexity" in text and "rank 0 alone prints it" in text
@@ -31,10 +32,13 @@ def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend, f
     from safetensors.torch import load_file
 
     out = tmp_path / method
+    sparsity = ["--sparsity-weight", "0.5"] if selection == "importance" else []
     assert main(["finetune", "--method", method, "--topk", "16", "--sfa-backend", backend, "--context", "32",
                  "--threads", "1", "--steps", "1", "--eval-windows", "1", "--feature-map", feature_map,
-                 "--selection", selection, "--calibration-windows", "1", "--out", str(out)]) == 0
+                 "--selection", selection, "--calibration-windows", "1", *sparsity, "--out", str(out)]) == 0
     record = json.loads((out / "result.json").read_text())
+    assert record["settings"]["sparsity_weight"] == (0.5 if sparsity else 0.0)
+    assert all((row[4] is not None) == bool(sparsity) for row in record["history"])
     assert record["method"] == method and record["ppl_before"] > 1 and record["ppl_after"] > 1
     assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
     assert not any(".sieve_sfa." in name for name in load_file(str(out / "model.safetensors")))

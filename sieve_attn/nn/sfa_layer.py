@@ -51,6 +51,17 @@ def _by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.unflatten(1, (kv_heads, q.shape[1] // kv_heads))
 
 
+def residual_energy(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Mean over the vectors of x [..., D] of ||x - kept||^2 / ||x||^2 (float32; a zero vector counts 0), with kept
+    [..., D] x's sparse form (x on its kept coordinates, 0 elsewhere): the fraction of each vector's energy its
+    top-k drops. Differentiable in x: through ``kept`` (straight-through on the kept coordinates, where the
+    numerator's terms cancel) only the dropped coordinates and the denominator carry gradient."""
+    x = x.float()
+    dropped = x - kept.float()
+    energy = x.pow(2).sum(-1)
+    return (dropped.pow(2).sum(-1) / energy.clamp_min(torch.finfo(torch.float32).tiny)).mean()
+
+
 class Moments:
     """Running second moments of one layer's q and k (after RoPE, before any feature map), in float32:
     ``keys`` [Hkv, D, D], the sum of k k^T over the keys of each KV head; ``queries`` [Hkv, D, D], the sum of q q^T
@@ -90,6 +101,12 @@ class SFALayer(nn.Module):
     (on the unmapped q and k) without gradient and records mean((O_sfa - O_dense)^2) over batch, heads, tokens and
     features in ``matching_terms``: the paper's output-matching regulariser (Eq. 8), averaged over heads.
 
+    While ``sparsity`` is on and autograd is recording, each call on dense keys also records in ``sparsity_terms``
+    the residual energy of its sparse q and k: for every vector x of q and k in the feature basis (before the
+    top-k), ||x - x~||^2 / ||x||^2 with x~ its top-k (the coordinates its selection keeps), averaged over the vectors
+    of q and over those of k, then the mean of the two (:func:`residual_energy`). Under the straight-through rule the
+    LM loss never reaches a coordinate the top-k drops; this term does, and shrinks the energy the top-k throws away.
+
     While ``moments`` is a :class:`Moments` (:func:`sieve_attn.calibrate_feature_maps` sets one), each call on dense
     keys adds its unmapped q and k to it.
     """
@@ -102,6 +119,8 @@ class SFALayer(nn.Module):
         self.topk = config.topk
         self.matching = False
         self.matching_terms: list[torch.Tensor] = []
+        self.sparsity = False
+        self.sparsity_terms: list[torch.Tensor] = []
         self.moments: Optional[Moments] = None
         # Stored in float32 whatever the model's dtype, as the Focus routers are: in bfloat16 the calibrated axes
         # would be orthogonal only to about 2e-3 and small optimizer steps would round away. map_* cast it at use.
@@ -116,26 +135,34 @@ class SFALayer(nn.Module):
     def map_keys(self, k: torch.Tensor) -> torch.Tensor:
         """k [B, Hkv, T, D] in the layer's feature basis (k itself without a feature map); with importance
         selection, reduced to its top-k coordinates by the key weights."""
-        if self.feature_map is not None:
-            k = torch.matmul(k, self.feature_map.to(k.dtype))
+        return self._select_keys(self._keys_in_basis(k))
+
+    def map_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, T, D] in the feature basis of each query head's KV head (q itself without a feature map);
+        with importance selection, reduced to its top-k coordinates by the query weights of its KV head."""
+        return self._select_queries(self._queries_in_basis(q))
+
+    def _keys_in_basis(self, k: torch.Tensor) -> torch.Tensor:
+        return k if self.feature_map is None else torch.matmul(k, self.feature_map.to(k.dtype))
+
+    def _select_keys(self, k: torch.Tensor) -> torch.Tensor:
         if self.selection_weights is None:
             return k
         # The weights stay float32: the ranks are products, which in bfloat16 would tie far more often. Calibration
         # made them finite and >= 0, so they go unchecked (a check would wait on the device every call).
         return select(k, self.topk, self.selection_weights[1, :, None, :])
 
-    def map_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, T, D] in the feature basis of each query head's KV head (q itself without a feature map);
-        with importance selection, reduced to its top-k coordinates by the query weights of its KV head."""
-        if self.feature_map is None and self.selection_weights is None:
+    def _queries_in_basis(self, q: torch.Tensor) -> torch.Tensor:
+        if self.feature_map is None:
             return q
-        kv_heads = (self.feature_map if self.feature_map is not None else self.selection_weights[0]).shape[0]
-        grouped = _by_kv_head(q, kv_heads)  # [B, Hkv, G, T, D]: each KV head's map and weights broadcast over G
-        if self.feature_map is not None:
-            grouped = torch.matmul(grouped, self.feature_map.to(q.dtype)[:, None])
-        if self.selection_weights is not None:
-            grouped = select(grouped, self.topk, self.selection_weights[0, :, None, None, :])
-        return grouped.flatten(1, 2)
+        grouped = _by_kv_head(q, self.feature_map.shape[0])  # [B, Hkv, G, T, D]: each KV head's map over G
+        return torch.matmul(grouped, self.feature_map.to(q.dtype)[:, None]).flatten(1, 2)
+
+    def _select_queries(self, q: torch.Tensor) -> torch.Tensor:
+        if self.selection_weights is None:
+            return q
+        grouped = _by_kv_head(q, self.selection_weights.shape[1])
+        return select(grouped, self.topk, self.selection_weights[0, :, None, None, :]).flatten(1, 2)
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None, focus=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] with SFA scores; with ``focus`` (the layer's
@@ -158,7 +185,14 @@ class SFALayer(nn.Module):
         else:
             self._record_moments(q, k)
             target = self._dense_target(q, k, v, attn_mask, scale, softcap)
-            q, k = self.map_queries(q), self.map_keys(k)
+            q, k = self._queries_in_basis(q), self._keys_in_basis(k)
+            sparse_q, sparse_k = self._select_queries(q), self._select_keys(k)
+            if self.sparsity and torch.is_grad_enabled():
+                # Without selection weights the top-k happens in the attention op: the same plain top-k here.
+                kept = [x if self.selection_weights is not None else select(x, self.topk)
+                        for x in (sparse_q, sparse_k)]
+                self.sparsity_terms.append((residual_energy(q, kept[0]) + residual_energy(k, kept[1])) / 2)
+            q, k = sparse_q, sparse_k
         topk = self.topk
         if focus is not None:
             out = focus.attend(sparsify(q, topk), sparsify(k, topk), v, attn_mask=attn_mask, scale=scale,

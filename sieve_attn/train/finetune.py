@@ -41,12 +41,15 @@ class FinetuneSettings(loop.TrainSettings):
     optimizer state stay in their dtype; a teacher's forwards too); validation and evaluation always run in the
     weights' dtype.
     ``distill_weight``: the weight of the distillation term (:func:`distillation_loss`) against the ``teacher``
-    that :func:`finetune` then needs; 0: none."""
+    that :func:`finetune` then needs; 0: none. ``sparsity_weight``: the weight of the residual-energy term, the
+    mean over SFA layers of the energy fraction their top-k drops from q and k
+    (:func:`sieve_attn.nn.sfa_layer.residual_energy`); 0: none."""
 
     matching_weight: float = 1.0
     topk_warmup: int = 0
     mixed_precision: str = "no"
     distill_weight: float = 0.0
+    sparsity_weight: float = 0.0
 
 
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}
@@ -63,7 +66,7 @@ def topk_at(step: int, topk: int, dim: int, warmup: int) -> int:
 
 def _check(windows: torch.Tensor, settings: FinetuneSettings) -> None:
     loop.check_settings(windows, settings)
-    for name in ("matching_weight", "distill_weight"):
+    for name in ("matching_weight", "distill_weight", "sparsity_weight"):
         weight = getattr(settings, name)
         if not isinstance(weight, (int, float)) or not weight >= 0:
             fail(name, "a number >= 0", repr(weight))
@@ -104,17 +107,17 @@ def own_weights(params: dict) -> dict:
     return {name: p for name, p in params.items() if f".{SFA_ATTR}." not in name}
 
 
-def _matching_loss(layers) -> torch.Tensor | None:
-    """The mean of the matching terms the SFA ``layers`` recorded since they were last cleared (None without any);
-    clears them."""
-    terms = [t for layer in layers for t in layer.matching_terms]
-    _clear(layers)
+def _recorded_mean(layers, name: str) -> torch.Tensor | None:
+    """The mean of the terms (``name``: "matching_terms" or "sparsity_terms") the SFA ``layers`` recorded since
+    they were last cleared (None without any)."""
+    terms = [t for layer in layers for t in getattr(layer, name)]
     return torch.stack(terms).mean() if terms else None
 
 
 def _clear(layers) -> None:
     for layer in layers:
         layer.matching_terms.clear()
+        layer.sparsity_terms.clear()
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -127,15 +130,18 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
 @dataclass
 class Objective:
-    """What a fine-tuning step minimises besides the LM loss: ``matching_weight`` times the mean matching term of
-    the SFA ``layers`` (empty: none), and ``distill_weight`` times :func:`distillation_loss` against the frozen
-    ``teacher`` (None: none); ``autocast_dtype`` is the dtype the forwards run under autocast in (None: off)."""
+    """What a fine-tuning step minimises besides the LM loss: ``matching_weight`` times the mean matching term and
+    ``sparsity_weight`` times the mean residual-energy term of the SFA ``layers`` (those of the terms they record:
+    :class:`~sieve_attn.nn.sfa_layer.SFALayer`'s ``matching`` and ``sparsity``), and ``distill_weight`` times
+    :func:`distillation_loss` against the frozen ``teacher`` (None: none); ``autocast_dtype`` is the dtype the
+    forwards run under autocast in (None: off)."""
 
     layers: list
     matching_weight: float = 0.0
     teacher: torch.nn.Module | None = None
     distill_weight: float = 0.0
     autocast_dtype: torch.dtype | None = None
+    sparsity_weight: float = 0.0
 
 
 def _add(total, term):
@@ -145,20 +151,26 @@ def _add(total, term):
 def _train_step(model, params, optimizer, objective: Objective, runtime,
                 micro_batches: tuple[torch.Tensor, ...]) -> tuple:
     """One optimizer step on this process's share of a global batch, given as equal micro-batches; returns (LM
-    loss, matching term or None, distillation term or None) of the global batch."""
+    loss, matching term or None, distillation term or None, residual-energy term or None) of the global batch."""
     optimizer.zero_grad(set_to_none=True)
     autocast = partial(torch.autocast, dtype=objective.autocast_dtype, enabled=objective.autocast_dtype is not None)
-    lm_total = matching_total = distill_total = None
+    lm_total = matching_total = distill_total = sparsity_total = None
     for batch in micro_batches:
         with autocast(batch.device.type):
             out = model(batch, labels=batch, use_cache=False)
             lm = out.loss / len(micro_batches)
-            matching = _matching_loss(objective.layers)
+            matching = _recorded_mean(objective.layers, "matching_terms")
+            sparsity = _recorded_mean(objective.layers, "sparsity_terms")
+            _clear(objective.layers)
             loss = lm
             if matching is not None:
                 matching = matching / len(micro_batches)
                 matching_total = _add(matching_total, matching)
                 loss = loss + objective.matching_weight * matching
+            if sparsity is not None:
+                sparsity = sparsity / len(micro_batches)
+                sparsity_total = _add(sparsity_total, sparsity)
+                loss = loss + objective.sparsity_weight * sparsity
             if objective.teacher is not None:
                 with torch.no_grad():
                     target = objective.teacher(batch, use_cache=False).logits
@@ -170,14 +182,16 @@ def _train_step(model, params, optimizer, objective: Objective, runtime,
         lm_total = _add(lm_total, lm)
     runtime.average_gradients(params)
     optimizer.step()
-    return tuple(None if total is None else runtime.mean(total) for total in (lm_total, matching_total, distill_total))
+    return tuple(None if total is None else runtime.mean(total)
+                 for total in (lm_total, matching_total, distill_total, sparsity_total))
 
 
-HISTORY_VALUES = 3  # per step: LM loss, matching term, distillation term
+HISTORY_VALUES = 4  # per step: LM loss, matching term, distillation term, residual-energy term
 
 
 def _padded(history: list) -> list:
-    """History rows with None for the values a checkpoint written before the distillation term lacks."""
+    """History rows with None for the values a checkpoint written before the distillation or the residual-energy
+    term lacks."""
     return [tuple(row) + (None,) * (1 + HISTORY_VALUES - len(row)) for row in history]
 
 
@@ -322,7 +336,8 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     ``init``: the digest of the weights the model started from when they are not its own (what :func:`load_weights`
     returns, e.g. for ``sieve finetune --init``; None: the model's own), which a resumed run must share.
 
-    Returns {"steps", "history": [(step, lm loss, matching term or None, distillation term or None)], "weights",
+    Returns {"steps", "history": [(step, lm loss, matching term or None, distillation term or None, residual-energy
+    term or None)], "weights",
     "validations": [(step, NLL)],
     "best_step" (None without validation)}.
 
@@ -353,12 +368,12 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
         p.requires_grad_(True)
     runtime.replicate_(params.values())
     every_layer = list(sfa_layers(model))
-    layers = every_layer if settings.matching_weight > 0 else []
+    layers = every_layer if settings.matching_weight > 0 or settings.sparsity_weight > 0 else []
     device = next(model.parameters()).device
     if teacher is not None:
         teacher = teacher.to(device).eval().requires_grad_(False)
     objective = Objective(layers, settings.matching_weight, teacher, settings.distill_weight,
-                          MIXED_PRECISION[settings.mixed_precision])
+                          MIXED_PRECISION[settings.mixed_precision], settings.sparsity_weight)
     optimizer = torch.optim.AdamW(params.values(), lr=settings.lr, weight_decay=0.0)
     out_dir = Path(out_dir)
     save = partial(_save_weights, model, list(params), runtime=runtime)
@@ -376,13 +391,14 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
                    **early_stopping)
     model.eval()
     for layer in layers:
-        layer.matching = True
+        layer.matching = settings.matching_weight > 0
+        layer.sparsity = settings.sparsity_weight > 0
     try:
         history, validations = loop.run(job, windows, out_dir, settings, optimizer, runtime,
                                         device=device, resume=resume, progress=progress)
     finally:
         for layer in every_layer:
-            layer.matching = False
+            layer.matching = layer.sparsity = False
             layer.topk = layer.config.topk
         _clear(layers)
         for p in params.values():

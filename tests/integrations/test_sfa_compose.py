@@ -150,6 +150,67 @@ def test_matching_terms_measure_the_distance_to_dense(arch):
     assert all(t.item() < 1e-10 for t in _matching_terms(HEAD_DIM, arch))
 
 
+@pytest.mark.parametrize("feature_map, selection", [(False, "magnitude"), (True, "importance")])
+def test_sparsity_terms_are_the_energy_the_topk_drops(feature_map, selection):
+    """One residual-energy term per layer and training forward, in (0, 1), differentiable, and 0 at top-k = D;
+    none without autograd. By hand on layer 0: the fraction of q's and k's energy (mapped, then selected as the
+    layer selects) outside their kept coordinates."""
+    from sieve_attn.nn.sfa_layer import residual_energy
+
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4, feature_map=feature_map, selection=selection))
+    layers = list(sfa_layers(model))
+    if feature_map:
+        with torch.no_grad():
+            layers[0].feature_map.copy_(torch.linalg.qr(torch.randn(HEAD_DIM, HEAD_DIM))[0])
+    model.requires_grad_(True)
+    seen = {}
+    attend = type(layers[0]).attend
+
+    def spy(self, q, k, v, **kwargs):
+        seen.setdefault(id(self), (q.detach(), k.detach()))
+        return attend(self, q, k, v, **kwargs)
+
+    for layer in layers:
+        layer.sparsity = True
+    type(layers[0]).attend = spy
+    try:
+        model(random_ids())
+    finally:
+        type(layers[0]).attend = attend
+    terms = [t for layer in layers for t in layer.sparsity_terms]
+    assert len(terms) == 2 and all(0 < t.item() < 1 and t.requires_grad for t in terms)
+    q, k = seen[id(layers[0])]
+    first = layers[0]
+    mapped_q, mapped_k = first._queries_in_basis(q), first._keys_in_basis(k)
+    kept = [sa.ops.sfa.codes.sparsify(x, 4) if selection == "magnitude" else select(x)
+            for x, select in ((mapped_q, first._select_queries), (mapped_k, first._select_keys))]
+    expected = (residual_energy(mapped_q, kept[0]) + residual_energy(mapped_k, kept[1])) / 2
+    torch.testing.assert_close(terms[0].detach(), expected, rtol=1e-5, atol=1e-7)
+    for layer in layers:
+        layer.sparsity_terms.clear()
+        layer.topk = HEAD_DIM
+    model(random_ids())
+    assert all(t.item() == 0 for layer in layers for t in layer.sparsity_terms)
+    for layer in layers:
+        layer.sparsity_terms.clear()
+    with torch.no_grad():
+        model(random_ids())
+    assert not any(layer.sparsity_terms for layer in layers)
+
+
+def test_residual_energy_by_hand_and_its_gradient_reaches_the_dropped_coordinates():
+    from sieve_attn.nn.sfa_layer import residual_energy
+
+    x = torch.tensor([[3.0, -1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    kept = sa.ops.sfa.codes.sparsify(x, 2)  # keeps 3 and 2 of the first row
+    term = residual_energy(x, kept)
+    assert term.item() == pytest.approx((1.25 / 14.25 + 0) / 2)  # the zero vector counts 0
+    term.backward()
+    grad = x.grad[0]
+    # the dropped coordinates are pushed towards 0, the kept ones outward (a larger denominator)
+    assert grad[1] < 0 < grad[2] and grad[0] < 0 and grad[3] < 0 and not x.grad[1].any()
+
+
 @pytest.mark.parametrize("configs, message", [
     ((), "configs: expected a FocusConfig, an SFAConfig, or one of each"),
     ((sa.SFAConfig(topk=2), sa.SFAConfig(topk=3)), "configs: expected"),

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 import sieve_attn as sa
+from sieve_attn.integrations.transformers import sfa_layers
 from sieve_attn.train.finetune import FinetuneSettings, finetune, load_weights
 
 try:
@@ -42,7 +43,7 @@ def test_sfa_conversion_lowers_the_loss_and_the_matching_weight_pulls_towards_de
 def test_dense_baseline_has_no_matching_term(tmp_path):
     result = finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(steps=3, warmup=1),
                       progress=False)
-    assert [h[2:] for h in result["history"]] == [(None, None)] * 3
+    assert [h[2:] for h in result["history"]] == [(None, None, None)] * 3
 
 
 def test_resume_equals_an_uninterrupted_run_and_weights_reload(tmp_path):
@@ -133,8 +134,8 @@ def test_activation_checkpointing_trains_the_same_weights_and_writes_the_same_na
 
 
 def test_micro_batches_give_the_gradients_of_the_whole_batch():
-    """One SFA fine-tuning step (matching and distillation terms on) over 4 windows as 2 micro-batches of 2: the
-    same LM loss, matching and distillation terms and weight gradients (not a multiple of them) as over the whole
+    """One SFA fine-tuning step (matching, distillation and residual-energy terms on) over 4 windows as 2
+    micro-batches of 2: the same LM loss, matching, distillation and residual-energy terms and weight gradients (not a multiple of them) as over the whole
     batch, to float rounding."""
     from sieve_attn.integrations.transformers import sfa_layers
     from sieve_attn.train import finetune as finetune_module
@@ -157,8 +158,8 @@ def test_micro_batches_give_the_gradients_of_the_whole_batch():
             p.requires_grad_(True)
         layers = list(sfa_layers(model))
         for layer in layers:
-            layer.matching = True
-        objective = finetune_module.Objective(layers, 1.0, teacher, 0.5)
+            layer.matching = layer.sparsity = True
+        objective = finetune_module.Objective(layers, 1.0, teacher, 0.5, sparsity_weight=0.3)
         values = finetune_module._train_step(model, params, KeepGrads(), objective, Runtime(),
                                              _windows()[:4].split(4 // parts))
         results.append((values, [p.grad.clone() for p in params]))
@@ -191,8 +192,8 @@ def test_bf16_mixed_precision_runs_the_forwards_in_bfloat16_and_keeps_float32_we
             lambda module, inputs, output: dtypes.append(output.dtype))
         optimizer = torch.optim.SGD(params.values(), lr=0.0)
         objective = finetune_module.Objective([], autocast_dtype=autocast_dtype)
-        loss, _, _ = finetune_module._train_step(model, list(params.values()), optimizer, objective, Runtime(),
-                                                 _windows()[:2].split(2))
+        loss, *_ = finetune_module._train_step(model, list(params.values()), optimizer, objective, Runtime(),
+                                               _windows()[:2].split(2))
         hook.remove()
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params.values())
         losses.append(float(loss))
@@ -243,10 +244,28 @@ def test_distillation_pulls_the_student_to_a_frozen_teacher(tmp_path):
     assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())  # no graph through it
 
 
-def test_history_rows_of_an_older_checkpoint_gain_the_distillation_value():
+def test_history_rows_of_an_older_checkpoint_gain_the_later_terms_values():
     from sieve_attn.train.finetune import _padded
 
-    assert _padded([(1, 2.5, None), (2, 2.0, 0.1, None)]) == [(1, 2.5, None, None), (2, 2.0, 0.1, None)]
+    assert _padded([(1, 2.5, None), (2, 2.0, 0.1, None)]) == [(1, 2.5, None, None, None), (2, 2.0, 0.1, None, None)]
+
+
+def test_residual_energy_term_shrinks_the_energy_the_topk_drops(tmp_path):
+    """With --sparsity-weight the history records the residual-energy term (the 5th value) and a heavy weight
+    makes it fall; without, it is None; only the matching term's layers' flags are on during the run."""
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    settings = FinetuneSettings(steps=12, lr=3e-3, warmup=2, batch_size=2, matching_weight=0.0,
+                                sparsity_weight=50.0)
+    history = finetune(model, _windows(), tmp_path / "sparse", settings, progress=False)["history"]
+    assert all(h[2] is None and 0 < h[4] < 1 for h in history)
+    assert history[-1][4] < 0.8 * history[0][4]
+    layers = list(sfa_layers(model))
+    assert not any(layer.sparsity or layer.matching or layer.sparsity_terms for layer in layers)
+    plain = finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path / "plain",
+                     FinetuneSettings(steps=2, warmup=1, batch_size=2), progress=False)["history"]
+    assert [h[4] for h in plain] == [None, None] and all(h[2] is not None for h in plain)
+    with pytest.raises(ValueError, match="sparsity_weight: expected a number >= 0, got -1"):
+        finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(sparsity_weight=-1))
 
 
 def test_distillation_needs_a_teacher_of_the_same_vocabulary(tmp_path):
