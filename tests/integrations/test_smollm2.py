@@ -81,12 +81,14 @@ def test_dense_perplexity_on_argparse(smollm2, argparse_ids, dense_logits):
 
 
 def test_degenerate_pattern_equals_dense(smollm2, argparse_ids, dense_logits):
-    """top_k = K with a window (16) far shorter than the 256 tokens: every pair is still attended."""
+    """top_k = K with a window (16) far shorter than the 256 tokens: every pair is still attended. Equal to float32
+    rounding: the logits reach about 25, and the two attention paths sum in different orders through 30 layers
+    (transformers 5.24 on torch 2.13 differed by 1.01e-4 at a logit of 13, a relative 7.8e-6)."""
     ids, expected = argparse_ids, dense_logits
     model = _composed(smollm2, num_groups=8, window=16, top_k=8)
-    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=1e-5, atol=1e-4)
     sa.set_focus_mode(model, "dense")
-    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_default_config_hard_forward_and_train_backward(smollm2, argparse_ids):
