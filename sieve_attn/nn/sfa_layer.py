@@ -187,11 +187,7 @@ class SFALayer(nn.Module):
             target = self._dense_target(q, k, v, attn_mask, scale, softcap)
             q, k = self._queries_in_basis(q), self._keys_in_basis(k)
             sparse_q, sparse_k = self._select_queries(q), self._select_keys(k)
-            if self.sparsity and torch.is_grad_enabled():
-                # Without selection weights the top-k happens in the attention op: the same plain top-k here.
-                kept = [x if self.selection_weights is not None else select(x, self.topk)
-                        for x in (sparse_q, sparse_k)]
-                self.sparsity_terms.append((residual_energy(q, kept[0]) + residual_energy(k, kept[1])) / 2)
+            self._record_residual_energy(q, k, sparse_q, sparse_k)
             q, k = sparse_q, sparse_k
         topk = self.topk
         if focus is not None:
@@ -212,6 +208,16 @@ class SFALayer(nn.Module):
         if self.matching and torch.is_grad_enabled():
             fail("past_key_values", "no SFACache while the output-matching term is recorded (it needs dense keys)",
                  "an SFACache")
+
+    def _record_residual_energy(self, q, k, selected_q, selected_k) -> None:
+        """While ``sparsity`` is on and autograd records: q and k in the feature basis, and what the layer's
+        selection made of them (themselves without selection weights, whose plain top-k the attention op takes:
+        the same top-k here)."""
+        if not (self.sparsity and torch.is_grad_enabled()):
+            return
+        if self.selection_weights is None:
+            selected_q, selected_k = select(q, self.topk), select(k, self.topk)
+        self.sparsity_terms.append((residual_energy(q, selected_q) + residual_energy(k, selected_k)) / 2)
 
     def _record_moments(self, q: torch.Tensor, k: torch.Tensor) -> None:
         if self.moments is not None:

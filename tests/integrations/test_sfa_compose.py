@@ -151,7 +151,7 @@ def test_matching_terms_measure_the_distance_to_dense(arch):
 
 
 @pytest.mark.parametrize("feature_map, selection", [(False, "magnitude"), (True, "importance")])
-def test_sparsity_terms_are_the_energy_the_topk_drops(feature_map, selection):
+def test_sparsity_terms_are_the_energy_the_topk_drops(monkeypatch, feature_map, selection):
     """One residual-energy term per layer and training forward, in (0, 1), differentiable, and 0 at top-k = D;
     none without autograd. By hand on layer 0: the fraction of q's and k's energy (mapped, then selected as the
     layer selects) outside their kept coordinates."""
@@ -172,11 +172,9 @@ def test_sparsity_terms_are_the_energy_the_topk_drops(feature_map, selection):
 
     for layer in layers:
         layer.sparsity = True
-    type(layers[0]).attend = spy
-    try:
-        model(random_ids())
-    finally:
-        type(layers[0]).attend = attend
+    monkeypatch.setattr(type(layers[0]), "attend", spy)
+    model(random_ids())
+    monkeypatch.undo()
     terms = [t for layer in layers for t in layer.sparsity_terms]
     assert len(terms) == 2 and all(0 < t.item() < 1 and t.requires_grad for t in terms)
     q, k = seen[id(layers[0])]
