@@ -27,7 +27,9 @@ _MERGE_CHUNKS = 16
 
 @dataclass(frozen=True)
 class Plan:
-    """block_m rows per program, row_blocks programs per (batch, KV head, chunk), chunk_keys keys per chunk."""
+    """block_m rows per program (the KV head's rows rounded up to a power of two, at most 64: the kernels take their
+    rows as the N of keys-major MMAs, which pad them to 8 themselves), row_blocks programs per (batch, KV head,
+    chunk), chunk_keys keys per chunk."""
 
     block_m: int
     row_blocks: int
@@ -46,7 +48,7 @@ def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device
     kernel's tile). Each kernel measures its own: resident programs hide each other's load latency, and a last wave
     that fills only part of the SMs leaves the rest idle, so whole waves of what an SM holds at once win."""
     rows = q_heads // kv_heads * q_len
-    block_m = max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(rows)))  # tl.dot needs 16 rows
+    block_m = min(_MAX_BLOCK_M, triton.next_power_of_2(rows))
     row_blocks = triton.cdiv(rows, block_m)
     sms = sm_count(device)
     tiles = triton.cdiv(k_len, block_n)

@@ -58,37 +58,41 @@ def tanh(x):
 
 @jit
 def softmax_start(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The online softmax of decode kernels before any key: (acc [BLOCK_M, HEAD_DIM] = 0, l_i [BLOCK_M] = 0,
-    m_i [BLOCK_M] = -inf), float32."""
-    return (tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), tl.zeros([BLOCK_M], tl.float32),
+    """The online softmax of decode kernels before any key, keys-major (:func:`softmax_step`): (acc_t [HEAD_DIM,
+    BLOCK_M] = 0, l_i [BLOCK_M] = 0, m_i [BLOCK_M] = -inf), float32."""
+    return (tl.zeros([HEAD_DIM, BLOCK_M], tl.float32), tl.zeros([BLOCK_M], tl.float32),
             tl.full([BLOCK_M], float("-inf"), tl.float32))
 
 
 @jit
-def softmax_step(acc, l_i, m_i, s, v, NATIVE: tl.constexpr):
-    """One online-softmax step of decode kernels: masked logits s [M, N] (natural units, -inf = not attended) and
-    values v [N, D] update (acc [M, D], l_i [M], m_i [M]). With 16-bit V, P enters P @ V as the sum of two 16-bit
-    halves: one more MMA makes P @ V float32-accurate, where P rounded once to 16 bits errs about as much as the
-    output's own rounding (just past twice a float32 reference's error in float16)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def softmax_step(acc_t, l_i, m_i, s_t, v_t, NATIVE: tl.constexpr):
+    """One online-softmax step of decode kernels, keys-major: masked logits s_t [N, M] (natural units, -inf = not
+    attended) of N keys against the program's M query rows and the keys' values transposed, v_t [D, N], update
+    (acc_t [D, M], the output transposed; l_i [M]; m_i [M]).
+
+    Why keys-major: a decode program has few query rows (4 for 32 query heads over 8 KV heads). P @ V issued as
+    V^T @ P^T makes them the MMA's N, which pads to 8, where P @ V made them its M, which pads to 16: half the
+    MMAs, and half the accumulator's registers (32 rather than 64 per thread at D = 128 in one warp).
+
+    P enters P @ V rounded once to V's dtype, as in FlashAttention; l_i sums it unrounded. On an H200 that kept
+    both decode kernels within 1.1-1.5x the error of the reference run in bfloat16 (the tests allow 2x), against
+    1.0x when P was split in two 16-bit halves for one more MMA (benchmarks/results/sfa_h200/NOTES.md, v8)."""
+    m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() away from -inf - -inf
     alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    p_high = p.to(v.dtype)
-    pv = dot(p_high, v, NATIVE)
-    if v.dtype != tl.float32:
-        pv += dot((p - p_high.to(tl.float32)).to(v.dtype), v, NATIVE)
-    return acc * alpha[:, None] + pv, l_i, m_new
+    p_t = tl.exp(s_t - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(p_t, axis=0)
+    return acc_t * alpha[None, :] + dot(v_t, p_t.to(v_t.dtype), NATIVE), l_i, m_new
 
 
 @jit
-def softmax_finish(acc, l_i, m_i):
-    """(output [M, D], log-sum-exp [M]) of an online softmax. l_i >= 1 for a row with an attended key (its maximum
-    contributes exp(0)) and 0 otherwise, so clamping at 1 changes only the empty rows: output 0, log-sum-exp -inf."""
+def softmax_finish(acc_t, l_i, m_i):
+    """(output [M, D], log-sum-exp [M]) of a keys-major online softmax (acc_t [D, M]). l_i >= 1 for a row with an
+    attended key (its maximum contributes exp(0)) and 0 otherwise, so clamping at 1 changes only the empty rows:
+    output 0, log-sum-exp -inf."""
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(l_i > 0, m_safe + tl.log(tl.maximum(l_i, 1.0)), float("-inf"))
-    return acc / tl.maximum(l_i, 1.0)[:, None], lse
+    return tl.trans(acc_t / tl.maximum(l_i, 1.0)[None, :]), lse
 
 
 def kernel_blocker(q, attn_mask=None):

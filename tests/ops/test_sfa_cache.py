@@ -221,10 +221,26 @@ def test_decode_matches_reference(case, backend):
     q = torch.randn(batch, q_len, q_heads, head_dim, device=DEVICE).to(dtype).transpose(1, 2)  # strided q
 
     out, lse = sfa_decode(q, filled_cache(k, v, topk), backend=backend)
+    assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk, backend)
+
+
+@pytest.mark.parametrize("case", [CASES[name] for name in ("gqa-257-d128-k16", "mqa-77-d128-k7-f16")],
+                         ids=["gqa-257-d128-k16", "mqa-77-d128-k7-f16"])
+def test_decode_without_the_copy_engine_reads_v_through_pointers(case, monkeypatch):
+    """Where V has no TMA descriptor (GPUs before Hopper; the interpreter and the H200 take the descriptor), the
+    kernel loads the V tiles through pointers, with the same result."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    monkeypatch.setattr(decode_module, "_v_tile_descriptor", lambda v: None)
+    batch, q_heads, kv_heads, q_len, k_len, head_dim, topk, dtype = case
+    torch.manual_seed(0)
+    k, v = random_kv(batch, kv_heads, k_len, head_dim, dtype)
+    q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(dtype)
+    out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
 
 
-def assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk):
+def assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk, backend="triton"):
     """(out, lse) of a decode step is causal SFA of q over the dense k, v it cached, within FlashAttention's rule: at
     most twice the error of the reference run in q's precision, plus a floor."""
     scale = q.shape[-1] ** -0.5
@@ -233,7 +249,12 @@ def assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk):
     low, low_lse = sfa_attention_reference(q, k, v, topk=topk, causal=True, scale=scale)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == F32
     assert not out.isnan().any() and not lse.isnan().any()
-    assert max_error(out, exact) <= 2 * max_error(low, exact) + 1e-6
+    floor = 1e-6
+    if backend == "triton" and decode_module._INTERPRETED and q.dtype == BF16:
+        # The kernel rounds P to bfloat16 for P @ V, and the interpreter rounds by truncation (the GPU to nearest):
+        # one more ulp of the output.
+        floor += 2.0 ** -7 * exact.abs().max().item()
+    assert max_error(out, exact) <= 2 * max_error(low, exact) + floor
     assert max_error(lse, exact_lse) <= 2 * max_error(low_lse, exact_lse) + 1e-5
 
 

@@ -37,7 +37,8 @@ from ..triton_common import dot, is_interpreted, on_device_of, softmax_finish, s
 # ms, top-2 0.127 vs 0.143 ms. 8 warps, 32- and 128-key tiles were slower at D = 128 (v5; ``_block_n``). v9: at 156
 # registers an SM holds 3 programs, and 6 per SM (two whole waves) beat 8 (top-1 0.077 vs 0.088 ms, top-2 0.126 vs
 # 0.141), 3, 4, 9 and 12. v16, with the 256-key scan: 6 per SM still beat 3, 4, 8, 9 and 12 (top-1 0.056 vs
-# 0.061-0.071 ms). Stages: ``_num_stages``.
+# 0.061-0.071 ms). v8 (keys-major tiles, 3 stages): 6 still beat 8 and 10 (top-1 0.051 vs 0.057 and 0.060 ms,
+# top-2 0.097 vs 0.106 and 0.112). Stages: ``_num_stages``.
 _NUM_WARPS, _PROGRAMS_PER_SM = 4, 6
 # Pass 1 (the scan of the chunk's bit sets): keys per step, a power of two, and its software pipeline's stages (1:
 # none, each step waits for its own load). The list it writes, and so the output, depend on neither. v15-v16
@@ -63,10 +64,12 @@ def _num_stages(head_dim: int, itemsize: int) -> int:
     """Software-pipeline stages of the attention tiles for a cache of ``itemsize``-byte elements. v17 (call R, bf16,
     128K, K=8, CUDA graphs, 6 programs per SM, side by side): at D = 64, 128-key tiles, 3 stages beat 2 (top-1 0.038
     vs 0.039 ms, top-2 0.067 vs 0.071 on the combinations groups, 0.060 vs 0.063 adjacent); at D = 128, 64-key
-    tiles, 2 beat 3 (0.055 vs 0.058 ms top-1, 0.104 vs 0.111 top-2, 0.093 vs 0.099 adjacent), as in v7. A float32
-    cache keeps 2 (not timed with 3): a third stage would add 64 KiB of staged K and V tiles at D = 64, which the
-    shared memory of GPUs before Hopper (about 100 KiB per SM) may not hold."""
-    return 3 if head_dim <= 64 and itemsize <= 2 else 2
+    tiles, 2 beat 3 (0.055 vs 0.058 ms top-1, 0.104 vs 0.111 top-2, 0.093 vs 0.099 adjacent), as in v7. With
+    keys-major tiles (v8, ../sfa_h200/v8, call B; 123-155 registers) 3 beat 2 at D = 128 too: top-1 0.051 vs 0.055
+    ms, top-2 0.097 vs 0.106 (6 programs per SM; 2 stages at 8 per SM 0.055 and 0.099). A float32 cache keeps 2
+    (not timed with 3): a third stage would add 64 KiB of staged K and V tiles at D = 64, which the shared memory of
+    GPUs before Hopper (about 100 KiB per SM) may not hold."""
+    return 3 if itemsize <= 2 else 2
 
 
 @triton.jit
@@ -95,7 +98,7 @@ def _focus_decode_chunk(
     for n0 in tl.range(start, stop, SCAN_N, num_stages=SCAN_STAGES):
         n = n0 + tl.arange(0, SCAN_N)
         needed = tl.max(_pairs(n, n < stop, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window).to(tl.int32),
-                        axis=0) > 0
+                        axis=1) > 0
         flags = needed.to(tl.int32)
         tl.store(keys + count + tl.cumsum(flags, axis=0) - flags, n, mask=needed)
         count += tl.sum(flags, axis=0)
@@ -106,7 +109,8 @@ def _focus_decode_chunk(
     # Pass 2: the online softmax over the listed keys.
     k_head = K + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
-    acc, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
+    q_t = tl.trans(q)
+    acc_t, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
     for t0 in range(0, count, BLOCK_N):
         listed = t0 + tl.arange(0, BLOCK_N) < count
         # .cg: through L2, where pass 1 stored (the barrier already orders the stores before these loads). Positions
@@ -115,25 +119,25 @@ def _focus_decode_chunk(
         n = tl.load(keys + t0 + tl.arange(0, BLOCK_N), mask=listed, other=0, cache_modifier=".cg")
         pair = _pairs(n, listed, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window)
         k = tl.load(k_head + n[:, None] * stride_kt + d[None, :] * stride_kd, mask=listed[:, None], other=0.0)
-        v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=listed[:, None], other=0.0)
-        s = dot(q, tl.trans(k), NATIVE_DOT) * scale
+        v_t = tl.load(v_head + n[None, :] * stride_vt + d[:, None] * stride_vd, mask=listed[None, :], other=0.0)
+        s = dot(k, q_t, NATIVE_DOT) * scale  # [BLOCK_N, BLOCK_M], keys-major as softmax_step takes them
         if SOFTCAP:
             s = softcap * tanh(s / softcap)
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, tl.where(pair, s, float("-inf")), v, NATIVE_DOT)
+        acc_t, l_i, m_i = softmax_step(acc_t, l_i, m_i, tl.where(pair, s, float("-inf")), v_t, NATIVE_DOT)
 
-    out, lse = softmax_finish(acc, l_i, m_i)
+    out, lse = softmax_finish(acc_t, l_i, m_i)
     store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM)
 
 
 @triton.jit
 def _pairs(n, key_ok, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window):
-    """[BLOCK_M, BLOCK_N] bool: which of the program's rows attend the keys at positions ``n`` [BLOCK_N] (those
-    with ``key_ok``): causal, and local (0 <= i - j <= window) or sharing a group."""
+    """[BLOCK_N, BLOCK_M] bool, keys-major: which of the keys at positions ``n`` [BLOCK_N] (those with ``key_ok``)
+    the program's rows attend: causal, and local (0 <= i - j <= window) or sharing a group."""
     k_bits = tl.load(bits_row + n * stride_bits_t, mask=key_ok, other=0)
-    distance = q_pos[:, None] - n[None, :]
+    distance = q_pos[None, :] - n[:, None]
     # Causal (distance >= 0) also drops the keys past the cache end: every query sits before k_len.
-    return (row_ok[:, None] & key_ok[None, :] & (distance >= 0)
-            & ((distance <= window) | ((q_bits[:, None] & k_bits[None, :]) != 0)))
+    return (key_ok[:, None] & row_ok[None, :] & (distance >= 0)
+            & ((distance <= window) | ((k_bits[:, None] & q_bits[None, :]) != 0)))
 
 
 _INTERPRETED = is_interpreted(_focus_decode_chunk)
@@ -154,8 +158,9 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
         scale: logits are scale * q.k in float32. softcap: logits become softcap * tanh(logit / softcap).
 
     Pair (i, j) is attended iff j <= i and (i - j <= window or bits[b, i] & bits[b, j] != 0), exactly as
-    :func:`~sieve_attn.ops.focus.reference.focus_attention_reference` with ``causal=True``. Products and
-    accumulation are as accurate as float32 for every input dtype.
+    :func:`~sieve_attn.ops.focus.reference.focus_attention_reference` with ``causal=True``. Logits,
+    softmax and accumulation are float32; the probabilities enter P @ V rounded to V's dtype, as in FlashAttention
+    (:func:`..triton_common.softmax_step`).
 
     Returns out [B, Hq, Tq, D] (dtype of q) and lse [B, Hq, Tq] (float32, natural log). A row with no attended key
     (impossible here: j = i is always local) would get 0 and -inf, as in FlashAttention.

@@ -14,8 +14,9 @@ keys the cache was built from. Two backends compute it:
   thread: per code t < topk the thread unpacks index t of its key and loads value t once, and one vector load
   fetches the rows' table entries at that index (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1):
   score = scale * sum_t q~[idx_t] * val_t, the dot of the sparse query with the densified key, which is never
-  built. Then the online softmax and P @ V on tensor cores as the Focus decode kernel does, and the chunks'
-  partials merge by log-sum-exp.
+  built. The tile stays keys-major through the online softmax and P @ V, issued as V^T @ P^T on tensor cores
+  (:func:`..triton_common.softmax_step`); the V tile comes through the TMA copy engine where the GPU has one. The
+  chunks' partials merge by log-sum-exp.
 
 Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :func:`.cache.index_bits` (D) = 7):
 
@@ -23,21 +24,17 @@ Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :fu
   2 * D * 2 = 512 for dense K and V (1.70x fewer). Per decode step over 128K tokens and 8 KV heads: 316.7 MB (dense
   536.9 MB) -> 83 us at 3.8 TB/s, plus the float32 partials the merge reads back (2.1 MB at 8 programs per SM).
 - work: topk index unpacks and value loads, topk vector loads of the table and G * topk = 64 float32 FMAs for the
-  scores, G exponentials, and P @ V: G * D = 512 useful MACs, issued as two [16, BLOCK_N] x [BLOCK_N, D] MMAs per
-  tile (rows padded to the MMA's 16, P split in two bfloat16 halves to keep float32 accuracy). The sm_90 SASS of
-  the main loop (triton 3.6) is 985 instructions per 32-key tile of one warp: 31 warp instructions per token and
-  KV head (the v4 kernel, [rows, keys] tiles that unpacked each code once per row: 46), 255 registers, no spills.
-  About a third are the scores; most of the rest is the P @ V: 64 HMMAs and about 190 register moves per tile
-  (the padded rows' A fragments and the B fragments of transposed ldmatrix loads).
+  scores, G exponentials, and P @ V: G * D = 512 useful MACs, one [D, BLOCK_N] x [BLOCK_N, 8] MMA per tile (the 4
+  rows padded to the MMA's 8: 16 HMMAs per 32-key tile). The sm_90 SASS of the main loop (triton 3.6, 32-key tiles,
+  one warp, V through pointers) is 885 instructions per tile, 28 per token and KV head; rows-major tiles with P in
+  two 16-bit halves (v6-v7) took 1076, 64 of them HMMAs and about 200 register moves for their padded A fragments.
 
-MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays; benchmarks/results/sfa_h200/NOTES.md, v6): topk =
-16 0.117-0.119 ms (v4 kernel 0.171), 1.16x dense SDPA-cuDNN decode (0.136-0.138 ms); topk = 8 0.097-0.099 ms,
-1.39x. The target, 1.5x at topk = 16, needs 0.092 ms. ncu (v6 with 4-warp programs): 30% of issue slots busy, 12%
-occupancy, a warp issuing every 6.2 cycles, 2.2 of them waiting on L1: bound by latency with too few warps, not by
-DRAM (46% of its peak). One-warp programs of 32 keys, 8 per SM (one wave at 255 registers), measured best; capping
-registers to fit more programs spilled and was 1.3-2.2x slower. Triton's software pipeline stages every code's
-table gather and value word through shared memory with the V tile, which caps the stages
-(:func:`_pipeline_stages`).
+MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays; benchmarks/results/sfa_h200/NOTES.md, v8): topk =
+16 0.106 ms, 1.30x dense SDPA-cuDNN decode (0.138 ms; the v6 kernel beside it 0.119, 1.17x); topk = 8 0.096 ms,
+1.44x (v6: 0.105). The target, 1.5x at topk = 16, needs 0.092 ms. One-warp programs of 32 keys, 3 stages and 8 per
+SM still measure best: 158 registers would allow 12, but the 3 stages' 27 KB of shared memory hold 8 per SM, and
+2 stages at 10-12 per SM were slower (0.108-0.121 ms). Triton's software pipeline stages every code's table gather
+and value word through shared memory with the V tile, which caps the stages (:func:`_pipeline_stages`).
 """
 from __future__ import annotations
 
@@ -175,7 +172,7 @@ def _code_scores(table, key_bytes, key_words, key_ok, stride_ibyte, TOPK: tl.con
 
 @jit
 def _sfa_decode_chunk(
-    Q, TABLE, IDX, VAL, V, O, LSE,
+    Q, TABLE, IDX, VAL, V, V_DESC, O, LSE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_ib, stride_ih, stride_it, stride_ibyte,
     stride_kb, stride_kh, stride_kt,
@@ -183,13 +180,16 @@ def _sfa_decode_chunk(
     kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
     HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    V_TMA: tl.constexpr,
 ):
     """Grid (B * Hkv, chunks, row blocks). Q: the queries [B, Hq, Tq, D] (only their layout is read: the rows and
     positions); TABLE: their sparse query table [B, Hkv, row blocks, D, BLOCK_M] (:func:`_sparse_query_table`);
     IDX: the cached keys' packed indices uint8 [B, Hkv, Tk, ceil(TOPK * INDEX_BITS / 8)]
     (:func:`.cache.pack_indices`); VAL: their values [B, Hkv, Tk, TOPK] (VALUE_DTYPE) viewed as words of PER_WORD
-    values [B, Hkv, Tk, TOPK / PER_WORD] (:func:`_code_value`); V [B, Hkv, Tk, D]. BLOCK_M rows per program
-    (any power of two: P @ V pads a dot of fewer than 16 rows itself). Writes each row's output over the chunk's
+    values [B, Hkv, Tk, TOPK / PER_WORD] (:func:`_code_value`); V [B, Hkv, Tk, D], read through V_DESC, its TMA
+    descriptor in [1, 1, BLOCK_N, D] tiles (:func:`_v_tile_descriptor`), when V_TMA, else through its pointer and
+    strides. BLOCK_M rows per program, any power of two (the rows are the N of the MMAs, which pad them to 8
+    themselves: :func:`..triton_common.softmax_step`). Writes each row's output over the chunk's
     keys (normalised over them) and its log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks]
     (float32, contiguous)."""
     # The scores read q through the table: program_rows' dense q tile goes unused, and the compiler drops its load.
@@ -200,19 +200,21 @@ def _sfa_decode_chunk(
     val_head = VAL + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
 
-    acc, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
+    acc_t, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         key_ok = n < stop
         s = _code_scores(table, idx_head + n * stride_it, val_head + n * stride_kt, key_ok, stride_ibyte, TOPK,
                          INDEX_BITS, PER_WORD, VALUE_DTYPE, BLOCK_M, BLOCK_N)
-        s = scale * tl.trans(s)  # [BLOCK_M, BLOCK_N], as the online softmax takes it
-        s = tl.where(row_ok[:, None] & key_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        v = tl.load(v_head + n[:, None] * stride_vt + d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, NATIVE_DOT)
+        s = tl.where(key_ok[:, None] & row_ok[None, :] & (n[:, None] <= q_pos[None, :]), scale * s, float("-inf"))
+        if V_TMA:
+            v_t = tl.trans(V_DESC.load([b.to(tl.int32), kv_head.to(tl.int32), n0, 0]).reshape(BLOCK_N, HEAD_DIM))
+        else:
+            v_t = tl.load(v_head + n[None, :] * stride_vt + d[:, None] * stride_vd, mask=key_ok[None, :], other=0.0)
+        acc_t, l_i, m_i = softmax_step(acc_t, l_i, m_i, s, v_t, NATIVE_DOT)
 
     # A row may have no key in this chunk (a query before the chunk's keys): output 0 and log-sum-exp -inf.
-    out, lse = softmax_finish(acc, l_i, m_i)
+    out, lse = softmax_finish(acc_t, l_i, m_i)
     store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM)
 
 
@@ -321,39 +323,53 @@ def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,
 def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`sfa_decode` (arguments already checked, ``kernel_blocker(q)`` None).
 
-    Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32). Products and accumulation are as accurate
-    as float32 for every input dtype."""
+    Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32). Scores, softmax and accumulation are
+    float32; the probabilities enter P @ V rounded to V's dtype, as in FlashAttention
+    (:func:`..triton_common.softmax_step`)."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = cache.kv_heads, cache.length
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
                         programs_per_sm=_PROGRAMS_PER_SM)
-    # The plan's row blocks hold at least 16 rows (what a dot of q against K needs); the scores here are gathers,
-    # so a program takes just its rows rounded up to a power of two (4 for 32 query heads over 8 KV heads, Tq = 1)
-    # and its table block holds no more columns than that. Same grid: below 16 rows there is one row block either
-    # way.
-    block_m = min(work.block_m, triton.next_power_of_2(q_heads // kv_heads * q_len))
-
     packed, values = cache.packed_keys()
     words = _value_words(values)
     v = cache.values()
+    v_tiles = _v_tile_descriptor(v)
     part_out, part_lse = split_k.partials(q, work.chunks)
     # The merge rounds to q's dtype itself on GPUs; the interpreter truncates float32 -> 16-bit casts, so there it
     # merges in float32 and torch rounds.
     out = torch.empty(q.shape, dtype=torch.float32 if _INTERPRETED else q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with on_device_of(q):
-        table = sparse_query_table(q, cache.topk, kv_heads, block_m)
+        table = sparse_query_table(q, cache.topk, kv_heads, work.block_m)
         _sfa_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
-            q, table, packed, words, v, part_out, part_lse,
+            q, table, packed, words, v, v_tiles, part_out, part_lse,
             *q.stride(), *packed.stride(), *words.stride()[:3], *v.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, scale, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, BLOCK_M=block_m,
+            HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, BLOCK_M=work.block_m,
             BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
             VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
-            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
-            num_stages=_pipeline_stages(cache.topk, block_m, head_dim, q.element_size()))
+            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, V_TMA=v_tiles is not None,
+            num_warps=_NUM_WARPS,
+            num_stages=_pipeline_stages(cache.topk, work.block_m, head_dim, q.element_size()))
         split_k.merge(part_out, part_lse, out, lse)
     return out.to(q.dtype), lse
+
+
+def _v_tile_descriptor(v: torch.Tensor):
+    """A TMA descriptor of V [B, Hkv, T, D] in [1, 1, _BLOCK_N, D] tiles where the copy engine can serve it (a GPU of
+    compute capability 9 or more, or the interpreter; the base and every stride but the unit last one multiples of
+    16 bytes, as a cache's V is), else None (the kernel then loads V through pointers). Rows past T read 0.
+
+    Why: the tile then costs one copy instruction rather than a masked 16-byte copy with its address per thread and
+    row: with it the step at 128K, topk = 16 took 0.106 rather than 0.110 ms (v8)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    capable = _INTERPRETED or torch.cuda.get_device_capability(v.device)[0] >= 9
+    aligned = v.data_ptr() % 16 == 0 and v.stride(-1) == 1 and all(
+        stride * v.element_size() % 16 == 0 for stride in v.stride()[:-1])
+    if not (capable and aligned):
+        return None
+    return TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, _BLOCK_N, v.shape[-1]])
 
 
 def _value_words(values: torch.Tensor) -> torch.Tensor:
