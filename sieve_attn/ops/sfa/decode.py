@@ -51,6 +51,7 @@ from .codes import densify, sparsify
 
 if triton is not None:
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 # Measured on an H200 at 128K cached tokens, GQA 32/8, D = 128 (CUDA-graph replays; benchmarks/results/sfa_h200,
@@ -362,8 +363,6 @@ def _v_tile_descriptor(v: torch.Tensor):
 
     Why: the tile then costs one copy instruction rather than a masked 16-byte copy with its address per thread and
     row: with it the step at 128K, topk = 16 took 0.106 rather than 0.110 ms (v8)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     capable = _INTERPRETED or torch.cuda.get_device_capability(v.device)[0] >= 9
     aligned = v.data_ptr() % 16 == 0 and v.stride(-1) == 1 and all(
         stride * v.element_size() % 16 == 0 for stride in v.stride()[:-1])

@@ -1,6 +1,6 @@
-"""Offline sm_90 compile of the SFA decode kernel (triton from PYTHONPATH), prints registers, spills, shared memory
+"""Offline sm_90 compile of the SFA decode kernel (triton from PYTHONPATH; v8 counted with triton 3.6), prints registers, spills, shared memory
 and SASS instruction counts of the main loop. Usage: python compile_decode.py TOPK [key=value constexpr overrides]"""
-import re, sys, collections
+import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -13,7 +13,7 @@ names = fn.arg_names
 ptr = {"Q": "*bf16", "TABLE": "*bf16", "IDX": "*u8", "VAL": "*i64", "V": "*bf16", "V_DESC": "tensordesc<bf16[1,1,32,128]>", "O": "*fp32", "LSE": "*fp32"}
 import triton.language as tl
 const = dict(HEAD_DIM=128, TOPK=topk, INDEX_BITS=7, BLOCK_M=4, BLOCK_N=32, PER_WORD=4, VALUE_DTYPE=tl.bfloat16,
-             NATIVE_DOT=True, SPLIT_P=1, V_TMA=0)
+             NATIVE_DOT=True, V_TMA=0)
 for k, v in over.items():
     const[k] = int(v) if v.lstrip("-").isdigit() else v
 if not const["V_TMA"]:
@@ -38,43 +38,13 @@ attrs = {(i,): [["tt.divisibility", 16]] for i in div}
 src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=int(over.get("stages", 3))))
 print("regs", k.n_regs if hasattr(k, "n_regs") else None, "spills", getattr(k, "n_spills", None), "shared", k.metadata.shared)
-import subprocess, tempfile, os
 cub = tempfile.mktemp(suffix=".cubin"); open(cub, "wb").write(k.asm["cubin"])
 nvd = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
 sass = subprocess.run([nvd, "-c", "-g", cub], capture_output=True, text=True).stdout
 lines = [l for l in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", l)]
 print("total SASS", len(lines))
 open(os.environ.get("SASS_OUT", "/tmp/decode.sass"), "w").write(sass)
-# the main loop: the largest backward branch range
-addr = lambda l: int(re.match(r"\s+/\*([0-9a-f]+)\*/", l).group(1), 16)
-best = None
-for i, l in enumerate(lines):
-    m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", l)
-    lab = re.search(r"BRA\s+`\((\.L_x_\d+)\)", l)
-    if lab:
-        # find label address
-        pass
-labels = {}
-for l in sass.splitlines():
-    m = re.match(r"(\.L_x_\d+):", l.strip())
-    if m: labels[m.group(1)] = None
-cur = None
-text = sass.splitlines()
-lab_addr = {}
-for j, l in enumerate(text):
-    m = re.match(r"(\.L_x_\d+):", l.strip())
-    if m:
-        for l2 in text[j + 1:]:
-            if re.match(r"\s+/\*[0-9a-f]{4,}\*/", l2):
-                lab_addr[m.group(1)] = addr(l2); break
-for l in lines:
-    m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", l)
-    if m and m.group(1) in lab_addr and lab_addr[m.group(1)] < addr(l):
-        size = (addr(l) - lab_addr[m.group(1)]) // 16 + 1
-        if best is None or size > best[0]:
-            best = (size, lab_addr[m.group(1)], addr(l))
-size, lo, hi = best
-loop = [l for l in lines if lo <= addr(l) <= hi]
-ops = collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", l).group(1) for l in loop)
+from loop_ops import main_loop  # beside this file
+loop, ops = main_loop(sass)
 print("loop instructions", len(loop), "per key", len(loop) / const["BLOCK_N"])
 print(sorted(ops.items(), key=lambda x: -x[1])[:30])
