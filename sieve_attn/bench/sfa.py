@@ -155,14 +155,22 @@ def decode_work(kv_heads: int, length: int, head_dim: int, topk: int) -> dict:
             "dense_bytes": dense * kv_heads * length, "dense_over_sfa": dense / sfa}
 
 
+# A decode cache's size class (the bench's shortest decode length).
+_MEASURED_CAPACITY = 8192
+
+
 def cache_bytes(head_dims: tuple[int, ...], top_ks: tuple[int, ...]) -> list[dict]:
     """Measured bytes per token and KV head of an :class:`SFAKeyCache` (bf16) at each (D, k), against a dense K+V
-    cache. The ratio does not depend on the length or the device, so a one-token CPU cache measures it."""
+    cache, measured on a CPU cache of ``_MEASURED_CAPACITY`` tokens (the ratio does not depend on the device). The
+    length matters only through the padding that puts each head's packed indices on 4-byte words: at most 3 bytes
+    per head, none at an even capacity (as every cache that starts at the default capacity and doubles has) with
+    an even number of packed bytes per key."""
     entries = []
     for head_dim in head_dims:
         dense = dense_bytes_per_token(head_dim, DTYPE)
         for topk in (k for k in top_ks if k <= head_dim):
-            sfa = SFAKeyCache(1, 1, head_dim, topk=topk, dtype=DTYPE, capacity=1).bytes_per_token()
+            sfa = SFAKeyCache(1, 1, head_dim, topk=topk, dtype=DTYPE,
+                              capacity=_MEASURED_CAPACITY).bytes_per_token()
             entries.append({"head_dim": head_dim, "topk": topk, "sfa_bytes_per_token": sfa,
                             "dense_bytes_per_token": dense, "sfa_over_dense": sfa / dense})
     return entries

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_common import jit, triton
+from .triton_common import jit, programmatic_launch, triton, wait_for_prior_kernel
 
 if triton is not None:
     import triton.language as tl
@@ -21,8 +21,10 @@ if triton is not None:
 _DEFAULT_SMS = 132
 # Query rows per program; more rows (GQA groups times speculative queries) are split across programs.
 _MAX_BLOCK_M = 64
-# Chunks merged per step of the merge kernel.
-_MERGE_CHUNKS = 16
+# The merge kernel's step: chunks per step, and the coordinates of a row one program merges. v9: a decode step's
+# rows are few (32 at GQA 32/8), so one program per row walked its ~128 chunks in 8 dependent steps of 16; 32
+# coordinates per program and 64 chunks per step give 4x the programs and 2 steps.
+_MERGE_CHUNKS, _MERGE_D = 64, 32
 
 
 @dataclass(frozen=True)
@@ -89,24 +91,28 @@ def store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DI
 
 @jit
 def _merge_kernel(O_PART, LSE_PART, O, LSE, num_chunks, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
-                  MERGE_CHUNKS: tl.constexpr):
-    """Grid (rows,). Merges one row's chunks: O_PART [rows, chunks, D] and LSE_PART [rows, chunks] float32 into
-    O [rows, D] and LSE [rows] float32; a row whose chunks are all empty gets 0 and -inf."""
+                  MERGE_CHUNKS: tl.constexpr, MERGE_D: tl.constexpr):
+    """Grid (rows, HEAD_DIM / MERGE_D). Merges coordinates [j * MERGE_D, (j + 1) * MERGE_D) of one row's chunks,
+    j = program_id(1): O_PART [rows, chunks, D] and LSE_PART [rows, chunks] float32 into O [rows, D] and LSE [rows]
+    float32 (written by the j = 0 program); a row whose chunks are all empty gets 0 and -inf. Launched as a
+    programmatic dependent of the kernel that wrote the partials, where the GPU can."""
+    wait_for_prior_kernel()
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     lse_c = tl.load(LSE_PART + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
     m = tl.max(lse_c, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(lse_c - m_safe), axis=0)  # >= 1 unless every chunk is empty (then 0)
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    d = tl.program_id(1) * MERGE_D + tl.arange(0, MERGE_D)
+    acc = tl.zeros([MERGE_D], tl.float32)
     for c0 in range(0, num_chunks, MERGE_CHUNKS):
         cc = c0 + tl.arange(0, MERGE_CHUNKS)
         ok = cc < num_chunks
         w = tl.exp(tl.load(LSE_PART + row * num_chunks + cc, mask=ok, other=float("-inf")) - m_safe)
         o = tl.load(O_PART + (row * num_chunks + cc[:, None]) * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
-    tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(tl.maximum(total, 1.0)), float("-inf")))
+    if tl.program_id(1) == 0:
+        tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(tl.maximum(total, 1.0)), float("-inf")))
     tl.store(O + row * HEAD_DIM + d, (acc / tl.maximum(total, 1.0)).to(O.dtype.element_ty))
 
 
@@ -119,5 +125,8 @@ def partials(q: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
 def merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merges the partials of :func:`partials` into out [B, Hq, Tq, D] and lse [B, Hq, Tq] (contiguous)."""
     chunks, head_dim = part_out.shape[-2], part_out.shape[-1]
-    _merge_kernel[(lse.numel(),)](part_out, part_lse, out, lse, chunks, HEAD_DIM=head_dim,
-                                  BLOCK_C=triton.next_power_of_2(chunks), MERGE_CHUNKS=_MERGE_CHUNKS)
+    merge_d = min(head_dim, _MERGE_D)
+    _merge_kernel[(lse.numel(), head_dim // merge_d)](part_out, part_lse, out, lse, chunks, HEAD_DIM=head_dim,
+                                                      BLOCK_C=triton.next_power_of_2(chunks),
+                                                      MERGE_CHUNKS=_MERGE_CHUNKS, MERGE_D=merge_d,
+                                                      launch_pdl=programmatic_launch(lse.device))

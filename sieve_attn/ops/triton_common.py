@@ -5,11 +5,22 @@ returns the plain function and no kernel is ever launched.
 """
 from __future__ import annotations
 
+import math
+import os
+
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
+
+# log2 e, which the decode kernels' callers fold into the logit scale (softmax in base 2: :func:`softmax_step`),
+# and ln 2 (constexpr, so that jit functions may read it), which turns base-2 log-sum-exps back into natural ones.
+LOG2E = 1 / math.log(2)
+if triton is not None:
+    _LN2 = tl.constexpr(math.log(2))
+    # The interpreter runs no PTX.
+    _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def on_device_of(tensor):
@@ -44,6 +55,47 @@ def dot(a, b, NATIVE: tl.constexpr):
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
+def programmatic_launch(device) -> bool:
+    """Whether kernels on ``device`` can be launched with ``launch_pdl=True`` (programmatic dependent launch:
+    compute capability 9 or more); the kernels that take it pair :func:`allow_next_kernel` with
+    :func:`wait_for_prior_kernel`. Why: a decode step is three short kernels, and each launch otherwise waits for
+    the previous kernel to drain before it is scheduled."""
+    import torch
+
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@jit
+def wait_for_prior_kernel():
+    """Programmatic dependent launch: blocks until the kernel before this one on the stream has completed, its
+    writes visible. A kernel launched with ``launch_pdl=True`` may be scheduled before then, and calls this before
+    it reads what that kernel wrote or writes anything. A no-op for kernels launched without it, and in the
+    interpreter."""
+    if _PTX:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
+def allow_next_kernel():
+    """Programmatic dependent launch: the next kernel on the stream, if launched with ``launch_pdl=True``, may be
+    scheduled once every program of this one has called this or exited (it still waits for this one's completion
+    before touching memory: :func:`wait_for_prior_kernel`). A no-op otherwise, and in the interpreter."""
+    if _PTX:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@jit
+def exp2(x):
+    """2 ** x, float32. On GPUs one ex2.approx.ftz: results below 2 ** -126 flush to 0 (softmax weights there are
+    far below any 16-bit or float32 sum's resolution), where tl.exp2 and tl.exp add a subnormal fix-up of three
+    instructions to every call (v9: 24 per SFA decode tile)."""
+    if _PTX:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.exp2(x)
+
+
 @jit
 def tanh(x):
     # Not every backend's tl has tanh. Cephes' tanhf: an odd polynomial near 0, where the exponential form would
@@ -57,41 +109,49 @@ def tanh(x):
 
 
 @jit
-def softmax_start(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+def softmax_start(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online softmax of decode kernels before any key, keys-major (:func:`softmax_step`): (acc_t [HEAD_DIM,
-    BLOCK_M] = 0, l_i [BLOCK_M] = 0, m_i [BLOCK_M] = -inf), float32."""
-    return (tl.zeros([HEAD_DIM, BLOCK_M], tl.float32), tl.zeros([BLOCK_M], tl.float32),
+    BLOCK_M] = 0, l_t [BLOCK_N, BLOCK_M] = 0, m_i [BLOCK_M] = -inf), float32."""
+    return (tl.zeros([HEAD_DIM, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
             tl.full([BLOCK_M], float("-inf"), tl.float32))
 
 
 @jit
-def softmax_step(acc_t, l_i, m_i, s_t, v_t, NATIVE: tl.constexpr):
-    """One online-softmax step of decode kernels, keys-major: masked logits s_t [N, M] (natural units, -inf = not
-    attended) of N keys against the program's M query rows and the keys' values transposed, v_t [D, N], update
-    (acc_t [D, M], the output transposed; l_i [M]; m_i [M]).
+def softmax_step(acc_t, l_t, m_i, s_t, v_t, NATIVE: tl.constexpr):
+    """One online-softmax step of decode kernels, keys-major, in base 2: masked logits s_t [N, M] times log2 e
+    (-inf = not attended) of N keys against the program's M query rows and the keys' values transposed, v_t [D, N],
+    update (acc_t [D, M], the output transposed; l_t [N, M], the softmax denominators in N partial sums per row,
+    one per key slot of the tile; m_i [M], the rows' running maxima in base 2).
 
     Why keys-major: a decode program has few query rows (4 for 32 query heads over 8 KV heads). P @ V issued as
     V^T @ P^T makes them the MMA's N, which pads to 8, where P @ V made them its M, which pads to 16: half the
     MMAs, and half the accumulator's registers (32 rather than 64 per thread at D = 128 in one warp).
 
-    P enters P @ V rounded once to V's dtype, as in FlashAttention; l_i sums it unrounded. On an H200 that kept
+    Why partial sums: the keys of a tile lie across threads, so a row's sum over them is a chain of warp shuffles
+    (5 per row in one warp) every tile; each slot's partial sum is rescaled by the same alpha as the row's total,
+    so they are summed once, in :func:`softmax_finish` (v9: 40 fewer instructions per SFA tile). Why base 2: the
+    kernels fold log2 e into their logit scale, and exponentials are then one instruction each (:func:`exp2`).
+
+    P enters P @ V rounded once to V's dtype, as in FlashAttention; l_t sums it unrounded. On an H200 that kept
     both decode kernels within 1.1-1.5x the error of the reference run in bfloat16 (the tests allow 2x), against
     1.0x when P was split in two 16-bit halves for one more MMA (benchmarks/results/sfa_h200/NOTES.md, v8)."""
     m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() away from -inf - -inf
-    alpha = tl.exp(m_i - m_safe)
-    p_t = tl.exp(s_t - m_safe[None, :])
-    l_i = l_i * alpha + tl.sum(p_t, axis=0)
-    return acc_t * alpha[None, :] + dot(v_t, p_t.to(v_t.dtype), NATIVE), l_i, m_new
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2() away from -inf - -inf
+    alpha = exp2(m_i - m_safe)
+    p_t = exp2(s_t - m_safe[None, :])
+    l_t = l_t * alpha[None, :] + p_t
+    return acc_t * alpha[None, :] + dot(v_t, p_t.to(v_t.dtype), NATIVE), l_t, m_new
 
 
 @jit
-def softmax_finish(acc_t, l_i, m_i):
-    """(output [M, D], log-sum-exp [M]) of a keys-major online softmax (acc_t [D, M]). l_i >= 1 for a row with an
-    attended key (its maximum contributes exp(0)) and 0 otherwise, so clamping at 1 changes only the empty rows:
+def softmax_finish(acc_t, l_t, m_i):
+    """(output [M, D], log-sum-exp [M], natural log) of a keys-major online softmax in base 2 (acc_t [D, M], l_t
+    [N, M]: the denominators' partial sums, m_i [M]: the maxima in base 2). A row's denominator l >= 1 where it
+    attended a key (its maximum contributes 2 ** 0) and 0 otherwise, so clamping at 1 changes only the empty rows:
     output 0, log-sum-exp -inf."""
+    l_i = tl.sum(l_t, axis=0)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    lse = tl.where(l_i > 0, m_safe + tl.log(tl.maximum(l_i, 1.0)), float("-inf"))
+    lse = tl.where(l_i > 0, (m_safe + tl.log2(tl.maximum(l_i, 1.0))) * _LN2, float("-inf"))
     return tl.trans(acc_t / tl.maximum(l_i, 1.0)[None, :]), lse
 
 

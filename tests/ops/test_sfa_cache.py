@@ -301,7 +301,7 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 3, 700, 128, 16
     block_n = decode_module._BLOCK_N
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
-                        programs_per_sm=decode_module._PROGRAMS_PER_SM)
+                        programs_per_sm=decode_module._programs_per_sm(head_dim))
     if several_tiles:
         assert work.chunks >= 2 and work.chunk_keys >= 2 * block_n and k_len % block_n != 0
         assert (work.chunks - 1) * work.chunk_keys < k_len < work.chunks * work.chunk_keys

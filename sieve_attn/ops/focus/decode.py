@@ -30,7 +30,8 @@ import triton.language as tl
 from ..._checks import fail
 from .. import split_k
 from ..split_k import program_rows, store_rows
-from ..triton_common import dot, is_interpreted, on_device_of, softmax_finish, softmax_start, softmax_step, tanh
+from ..triton_common import (LOG2E, allow_next_kernel, dot, is_interpreted, on_device_of, softmax_finish, softmax_start,
+                             softmax_step, tanh)
 
 # Plan of the two-pass kernel: the fastest that passed the gated bench on an H200 (128K, GQA 32/8, D = 128, K = 8,
 # CUDA graphs). v7 (benchmarks/results/focus_h200/v7): 2 stages against 3 in the same session, top-1 0.088 vs 0.102
@@ -85,7 +86,8 @@ def _focus_decode_chunk(
 ):
     """Grid (B * Hkv, chunks, row blocks). KEYS: int32 scratch, ``chunk_keys`` entries per program. Writes the
     chunk's normalized output and log-sum-exp of each row to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks]
-    (contiguous; chunks = 1 writes the final tensors)."""
+    (contiguous; chunks = 1 writes the final tensors). ``scale`` and ``softcap`` come times log2 e: the logits are
+    in base 2 for softmax_step, and softcap * tanh(s / softcap) commutes with that factor."""
     b, kv_head, r, row_ok, q_pos, d, q, _, start, stop = program_rows(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
     bits_row = BITS + b * stride_bits_b
@@ -110,7 +112,7 @@ def _focus_decode_chunk(
     k_head = K + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
     q_t = tl.trans(q)
-    acc_t, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
+    acc_t, l_t, m_i = softmax_start(BLOCK_M, HEAD_DIM, BLOCK_N)
     for t0 in range(0, count, BLOCK_N):
         listed = t0 + tl.arange(0, BLOCK_N) < count
         # .cg: through L2, where pass 1 stored (the barrier already orders the stores before these loads). Positions
@@ -123,9 +125,10 @@ def _focus_decode_chunk(
         s = dot(k, q_t, NATIVE_DOT) * scale  # [BLOCK_N, BLOCK_M], keys-major as softmax_step takes them
         if SOFTCAP:
             s = softcap * tanh(s / softcap)
-        acc_t, l_i, m_i = softmax_step(acc_t, l_i, m_i, tl.where(pair, s, float("-inf")), v_t, NATIVE_DOT)
+        acc_t, l_t, m_i = softmax_step(acc_t, l_t, m_i, tl.where(pair, s, float("-inf")), v_t, NATIVE_DOT)
 
-    out, lse = softmax_finish(acc_t, l_i, m_i)
+    allow_next_kernel()  # the merge (a programmatic dependent launch where the GPU can)
+    out, lse = softmax_finish(acc_t, l_t, m_i)
     store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM)
 
 
@@ -187,8 +190,8 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
         _focus_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
             q, k, v, bits, keys, part_out, part_lse,
             *q.stride(), *k.stride(), *v.stride(), *bits.stride(),
-            kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale,
-            1.0 if softcap is None else softcap, work.chunk_keys, work.chunks,
+            kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale * LOG2E,
+            (1.0 if softcap is None else softcap) * LOG2E, work.chunk_keys, work.chunks,
             HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=block_n, SCAN_N=_SCAN_N, SCAN_STAGES=_SCAN_STAGES,
             SOFTCAP=softcap is not None,
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,

@@ -107,8 +107,9 @@ def dense_bytes_per_token(head_dim: int, dtype: torch.dtype) -> int:
 class SFAKeyCache:
     """KV cache of one layer with compressed keys: [B, Hkv, T, topk] (index, value) pairs per key, dense V.
 
-    Storage: packed indices uint8 [B, Hkv, capacity, :func:`packed_bytes` (topk, D)] (:func:`pack_indices`), key
-    values [B, Hkv, capacity, topk] and V [B, Hkv, capacity, D] in ``dtype``.
+    Storage: packed indices uint8 [B, Hkv, capacity, :func:`packed_bytes` (topk, D)] (:func:`pack_indices`; each
+    head's keys back to back, the head padded to a whole number of 4-byte words), key values [B, Hkv, capacity,
+    topk] and V [B, Hkv, capacity, D] in ``dtype``.
 
     Args:
         batch, kv_heads, head_dim: B, Hkv and D of the keys and values it will hold.
@@ -139,7 +140,11 @@ class SFAKeyCache:
     def _allocate(self, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Uninitialised (packed indices, key values, V) for ``capacity`` tokens."""
         tokens = (self.batch, self.kv_heads, capacity)
-        return (torch.empty(*tokens, self.packed_bytes, dtype=torch.uint8, device=device),
+        # Each head's packed keys from a 4-byte boundary to one (at most 3 bytes of padding per head): the decode
+        # kernel reads them as 4-byte words, which its copy engine stages (decode._index_word).
+        head_bytes = capacity * self.packed_bytes
+        heads = torch.empty(self.batch, self.kv_heads, -(-head_bytes // 4) * 4, dtype=torch.uint8, device=device)
+        return (heads[:, :, :head_bytes].view(*tokens, self.packed_bytes),
                 torch.empty(*tokens, self.topk, dtype=self.dtype, device=device),
                 torch.empty(self.batch, self.kv_heads, capacity, self.head_dim, dtype=self.dtype, device=device))
 

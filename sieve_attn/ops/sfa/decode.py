@@ -11,30 +11,34 @@ keys the cache was built from. Two backends compute it:
   sparsifies the queries into a table (:func:`sparse_query_table`) that puts the G * Tq query rows of a KV head
   (G = Hq / Hkv) side by side under each coordinate; then one program per (batch, KV head, chunk of keys) takes all
   of them, so every code and every V row is read from memory once. The score tile is [keys, rows], one key per
-  thread: per code t < topk the thread unpacks index t of its key and loads value t once, and one vector load
-  fetches the rows' table entries at that index (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1):
-  score = scale * sum_t q~[idx_t] * val_t, the dot of the sparse query with the densified key, which is never
-  built. The tile stays keys-major through the online softmax and P @ V, issued as V^T @ P^T on tensor cores
+  thread: the thread reads its key's packed indices as the 4-byte words that hold them (:func:`_index_word`) and
+  its values as 8-byte words, and per code t < topk one vector load fetches the rows' table entries at index t (8
+  bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1): score = scale * sum_t q~[idx_t] * val_t, the dot of
+  the sparse query with the densified key, which is never built. The tile stays keys-major through the online
+  softmax (base 2, denominators in per-slot partial sums) and P @ V, issued as V^T @ P^T on tensor cores
   (:func:`..triton_common.softmax_step`); the V tile comes through the TMA copy engine where the GPU has one. The
-  chunks' partials merge by log-sum-exp.
+  chunks' partials merge by log-sum-exp (:func:`..split_k.merge`); on GPUs with programmatic dependent launch the
+  decode and merge kernels are scheduled while the kernel before them drains.
 
 Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :func:`.cache.index_bits` (D) = 7):
 
 - bytes from memory: topk * b / 8 = 14 of packed indices, topk * 2 = 32 of values, D * 2 = 256 of V: 302, against
   2 * D * 2 = 512 for dense K and V (1.70x fewer). Per decode step over 128K tokens and 8 KV heads: 316.7 MB (dense
   536.9 MB) -> 83 us at 3.8 TB/s, plus the float32 partials the merge reads back (2.1 MB at 8 programs per SM).
-- work: topk index unpacks and value loads, topk vector loads of the table and G * topk = 64 float32 FMAs for the
-  scores, G exponentials, and P @ V: G * D = 512 useful MACs, one [D, BLOCK_N] x [BLOCK_N, 8] MMA per tile (the 4
-  rows padded to the MMA's 8: 16 HMMAs per 32-key tile). The sm_90 SASS of the main loop (triton 3.6, 32-key tiles,
-  one warp, V through pointers) is 885 instructions per tile, 28 per token and KV head; rows-major tiles with P in
-  two 16-bit halves (v6-v7) took 1076, 64 of them HMMAs and about 200 register moves for their padded A fragments.
+- work: 4 index words and 4 value words loaded, topk index extractions, topk vector loads of the table and G *
+  topk = 64 float32 FMAs for the scores, G exponentials, and P @ V: G * D = 512 useful MACs, one [D, BLOCK_N] x
+  [BLOCK_N, 8] MMA per tile (the 4 rows padded to the MMA's 8: 16 HMMAs per 32-key tile). The sm_90 SASS of the
+  main loop (triton 3.6, 32-key tiles, one warp, V through TMA, 5 stages) is 633 instructions per tile, 20 per
+  token and KV head (v8: 767; byte-wide index loads, shuffled denominators and exponentials with a subnormal
+  fix-up; NOTES.md, v9).
 
-MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays; benchmarks/results/sfa_h200/NOTES.md, v8): topk =
-16 0.106 ms, 1.30x dense SDPA-cuDNN decode (0.138 ms; the v6 kernel beside it 0.119, 1.17x); topk = 8 0.096 ms,
-1.44x (v6: 0.105). The target, 1.5x at topk = 16, needs 0.092 ms. One-warp programs of 32 keys, 3 stages and 8 per
-SM still measure best: 158 registers would allow 12, but the 3 stages' 27 KB of shared memory hold 8 per SM, and
-2 stages at 10-12 per SM were slower (0.108-0.121 ms). Triton's software pipeline stages every code's table gather
-and value word through shared memory with the V tile, which caps the stages (:func:`_pipeline_stages`).
+MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays, gated; benchmarks/results/sfa_h200/NOTES.md,
+v9): ``sieve bench sfa`` topk = 16 0.106 ms, 1.30x dense SDPA-cuDNN decode (0.137 ms), topk = 8 0.099 ms, 1.39x;
+probes of the same code 0.098-0.107 and 0.094-0.102 (run-to-run spread). Side by side in one session (calls A-B,
+topk = 16, each plan swept), the index-word kernel 0.100-0.102 against the previous commit's 0.113-0.114. The
+target, 1.5x at topk = 16, needs 0.092 ms. ncu of one step: this kernel runs 83.2 us and streams 3.84 TB/s (80% of
+the H200's peak, where dense decode streams); the query-table kernel (5.0 us), the merge (6.0 us) and the launches
+between take the rest.
 """
 from __future__ import annotations
 
@@ -44,8 +48,9 @@ from ..._checks import check_choice, check_no_nan, fail, resolve_scale
 from ...config import SFA_DECODE_BACKENDS
 from .. import split_k
 from ..split_k import program_rows, store_rows
-from ..triton_common import (choose_backend, is_interpreted, jit, kernel_blocker, on_device_of, softmax_finish,
-                             softmax_start, softmax_step, triton)
+from ..triton_common import (LOG2E, allow_next_kernel, choose_backend, is_interpreted, jit, kernel_blocker,
+                             on_device_of, programmatic_launch, softmax_finish, softmax_start, softmax_step, triton,
+                             wait_for_prior_kernel)
 from .cache import SFAKeyCache
 from .codes import densify, sparsify
 
@@ -55,10 +60,12 @@ if triton is not None:
 
 
 # Measured on an H200 at 128K cached tokens, GQA 32/8, D = 128 (CUDA-graph replays; benchmarks/results/sfa_h200,
-# v6): one warp per program and 32-key tiles beat 2-8 warps and 16- to 256-key tiles; 3 stages beat 1, 2 and 4;
-# 8 programs per SM, one full wave at this kernel's 255 registers, beat 4-64 (k = 16, plain value loads: 0.123 ms
-# at 8, 0.137 at 6 and 16, 0.174 at 10).
-_BLOCK_N, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 32, 1, 3, 8
+# v6): one warp per program and 32-key tiles beat 2-8 warps and 16- to 256-key tiles. Stages (v9): Triton 3.6
+# keeps one buffer of each staged load (the V tile's too) at 3-4 stages, two at 5-6 (28 KB of shared memory at
+# D = 128, so 8 programs per SM fit), three at 8 (42 KB, 5 per SM). Swept with the programs per SM (call C, gated):
+# 5 stages at 8 per SM fastest at topk = 16 (0.098 ms; 4 stages 0.103-0.114; 8 stages 0.104-0.121), topk = 8
+# within noise of the best (0.094 vs 0.091). Programs per SM: :func:`_programs_per_sm`.
+_BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # Shared memory a pipelined launch may ask for (an H200 block gets 227 KiB; the dots' conversions need some).
 _SHARED_BUDGET = 160 * 1024
 # Elements of one densified key block (and of one score block) in the reference: 16 MiB in float32.
@@ -69,28 +76,49 @@ _SPARSIFY_BLOCK_V = 32
 
 
 @jit
-def _packed_index(key_bytes, key_ok, stride_byte, T: tl.constexpr, BITS: tl.constexpr):
-    """Index T of each key of a tile, int32 [BLOCK_N]; key_bytes [BLOCK_N] points at each key's first packed byte,
-    consecutive bytes ``stride_byte`` apart. Index T is bits [T * BITS, (T + 1) * BITS) of the key's bytes read as
-    one little-endian integer (:func:`.cache.pack_indices`), so it lies in bytes T * BITS // 8 .. ((T + 1) * BITS -
-    1) // 8, known at compile time: at most 3 of them for BITS <= 16 (2 for BITS <= 8, the kernel's D <= 256).
+def _raw_index_word(key_words, key_shift, key_ok, A: tl.constexpr, NBYTES: tl.constexpr):
+    """Raw 4-byte word A from the word holding each key's first packed byte, uint32 [BLOCK_N], where it holds any of
+    the key's NBYTES bytes (key_shift / 8 is the first byte's offset in word 0), else 0 (unread: it may lie past the
+    cache's allocation); missing keys read 0. One mask expression for every use of a word, so that loads of the same
+    word are one (the compiler merges identical loads)."""
+    return tl.load(key_words + A, mask=key_ok & (4 * A < key_shift // 8 + NBYTES), other=0)
 
-    Loads, per index: each of its bytes for the tile's keys, a gather at stride ``stride_byte`` whose BLOCK_N bytes
-    lie in the tile's BLOCK_N * ceil(TOPK * BITS / 8) packed bytes (64 * 14 = 896 at D = 128, topk = 16: seven
-    128-byte lines, read from memory once per tile, the later gathers hitting L1). A byte two neighbouring indices
-    share is the same load (same address and mask), which the compiler merges: the sm_90 TTIR at D = 128, topk = 16
-    has 14 byte loads per key, one per packed byte, against 16 for byte-wide indices. Loading the [BLOCK_N, bytes]
-    tile once instead would leave each index to extract its bytes from registers with a select and a sum over the
-    tile's columns, more work than these gathers."""
-    tl.static_assert(BITS <= 16, "a packed index must span at most 3 bytes (int32 holds them)")
-    FIRST: tl.constexpr = T * BITS // 8
-    LAST: tl.constexpr = ((T + 1) * BITS - 1) // 8
-    # Widened to int32 before shifting: shifts of uint8 would drop the high bits.
-    word = tl.load(key_bytes + FIRST * stride_byte, mask=key_ok, other=0).to(tl.int32)
-    for s in tl.static_range(FIRST + 1, LAST + 1):
-        byte = tl.load(key_bytes + s * stride_byte, mask=key_ok, other=0).to(tl.int32)
-        word = word | (byte << (8 * (s - FIRST)))
-    return (word >> (T * BITS % 8)) & ((1 << BITS) - 1)
+
+@jit
+def _index_word(key_words, key_shift, key_ok, A: tl.constexpr, NBYTES: tl.constexpr):
+    """Bits [32 A, 32 A + 32) of each key's packed indices, uint32 [BLOCK_N] (bits past the key's last byte are
+    whatever follows it, or 0). key_words [BLOCK_N] (uint32 pointers) is the 4-byte word holding each key's first
+    byte, key_shift [BLOCK_N] (uint32) that byte's bit offset in it (0, 8, 16 or 24): word A of the key is raw words
+    A and A + 1 (:func:`_raw_index_word`) funnel-shifted by key_shift."""
+    bits = _raw_index_word(key_words, key_shift, key_ok, A, NBYTES) >> key_shift
+    # The most raw words a key's bytes can touch, at the largest first-byte offset NBYTES allows (an even NBYTES
+    # starts at offset 0 or 2 only).
+    OFFSET: tl.constexpr = 0 if NBYTES % 4 == 0 else (2 if NBYTES % 2 == 0 else 3)
+    if A + 1 < (OFFSET + NBYTES + 3) // 4:
+        above = _raw_index_word(key_words, key_shift, key_ok, A + 1, NBYTES)
+        # Two shifts, never one of 32 bits (undefined): at key_shift 0 the word above contributes nothing.
+        bits = bits | ((above << 8) << (24 - key_shift))
+    return bits
+
+
+@jit
+def _packed_index(key_words, key_shift, key_ok, T: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr):
+    """Index T of each key of a tile, int32 [BLOCK_N]: bits [T * BITS, (T + 1) * BITS) of the key's NBYTES packed
+    bytes read as one little-endian integer (:func:`.cache.pack_indices`), taken from its 4-byte words
+    (:func:`_index_word`); missing keys read 0.
+
+    Why words: 4-byte loads are staged by the software pipeline (cp.async) with the V tile, whereas byte loads stay
+    in the loop, and the table gathers that need the indices waited a memory latency on them every tile (v8:
+    14 byte loads per key). A word that serves several T is one load: same address and mask, merged by the
+    compiler, as is the funnel shift that several T share."""
+    tl.static_assert(BITS <= 32, "a packed index must fit in one 32-bit word")
+    FIRST: tl.constexpr = T * BITS
+    A: tl.constexpr = FIRST // 32
+    OFF: tl.constexpr = FIRST % 32
+    bits = _index_word(key_words, key_shift, key_ok, A, NBYTES) >> OFF
+    if OFF + BITS > 32:
+        bits = bits | (_index_word(key_words, key_shift, key_ok, A + 1, NBYTES) << (32 - OFF))
+    return (bits & ((1 << BITS) - 1)).to(tl.int32)
 
 
 @jit
@@ -107,6 +135,7 @@ def _sparse_query_table(X, TABLE, stride_xb, stride_xh, stride_xt, stride_xd, he
     stable sort); the others become 0. The ranks are counted BLOCK_V coordinates v at a time ([D, BLOCK_V] compares
     per step). One launch in place of the sort, gather, fill and scatter of :func:`.codes.sparsify` (a decode step's
     fixed cost)."""
+    allow_next_kernel()  # the decode kernel may be scheduled at once; it waits for this one before reading
     row = tl.program_id(0).to(tl.int64)
     b, h, i = row // (heads * q_len), row // q_len % heads, row % q_len
     x_row = X + b * stride_xb + h * stride_xh + i * stride_xt
@@ -145,16 +174,17 @@ def _code_value(key_words, key_ok, T: tl.constexpr, PER_WORD: tl.constexpr, VALU
 
 
 @jit
-def _code_scores(table, key_bytes, key_words, key_ok, stride_ibyte, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr,
-                 PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _code_scores(table, index_words, index_shift, value_words, key_ok, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr,
+                 NBYTES: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """Unscaled scores [BLOCK_N, BLOCK_M] float32 of a tile of cached keys against the program's query rows, read
     from the codes: s[j, m] = sum over t < TOPK of q~[m, idx[j, t]] * val[j, t], the dot of the zero-filled sparse
     query with the densified key, which is never built.
 
     table: the program's block of the query table, [D, BLOCK_M] contiguous (:func:`_sparse_query_table`);
-    key_bytes [BLOCK_N]: each key's first packed index byte (bytes ``stride_ibyte`` apart); key_words [BLOCK_N]: its
-    values as words (:func:`_code_value`); key_ok [BLOCK_N]: which keys exist (the others read index 0 and value 0,
-    so they score 0).
+    index_words, index_shift [BLOCK_N]: where each key's NBYTES packed index bytes start (:func:`_index_word`);
+    value_words [BLOCK_N]: its values as words (:func:`_code_value`); key_ok [BLOCK_N]: which keys exist (the
+    others read index 0 and value 0, so they score 0).
 
     Keys along the first axis, rows along the second: one thread holds one key with all its rows, so each (key,
     code) is unpacked and loaded once and serves BLOCK_M rows, and the rows' q entries under the code's index are
@@ -163,8 +193,8 @@ def _code_scores(table, key_bytes, key_words, key_ok, stride_ibyte, TOPK: tl.con
     m = tl.arange(0, BLOCK_M)
     s = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for t in tl.static_range(TOPK):
-        coord = _packed_index(key_bytes, key_ok, stride_ibyte, t, INDEX_BITS)  # 0 for a missing key: in bounds
-        value = _code_value(key_words, key_ok, t, PER_WORD, VALUE_DTYPE)
+        coord = _packed_index(index_words, index_shift, key_ok, t, INDEX_BITS, NBYTES)  # missing key: 0, in bounds
+        value = _code_value(value_words, key_ok, t, PER_WORD, VALUE_DTYPE)
         q_at = tl.load(table + coord[:, None] * BLOCK_M + m[None, :])
         # Products of 16-bit values are exact in float32, as in a tensor-core dot.
         s += q_at.to(tl.float32) * value[:, None]
@@ -175,7 +205,7 @@ def _code_scores(table, key_bytes, key_words, key_ok, stride_ibyte, TOPK: tl.con
 def _sfa_decode_chunk(
     Q, TABLE, IDX, VAL, V, V_DESC, O, LSE,
     stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_ib, stride_ih, stride_it, stride_ibyte,
+    stride_ib, stride_ih,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_vd,
     kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
@@ -192,30 +222,36 @@ def _sfa_decode_chunk(
     strides. BLOCK_M rows per program, any power of two (the rows are the N of the MMAs, which pad them to 8
     themselves: :func:`..triton_common.softmax_step`). Writes each row's output over the chunk's
     keys (normalised over them) and its log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks]
-    (float32, contiguous)."""
+    (float32, contiguous). ``scale``: the logit scale times log2 e (the softmax is in base 2)."""
+    wait_for_prior_kernel()  # the query table (a programmatic dependent launch where the GPU can)
     # The scores read q through the table: program_rows' dense q tile goes unused, and the compiler drops its load.
     b, kv_head, r, row_ok, q_pos, d, _, _, start, stop = program_rows(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
     table = TABLE + ((b * kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)) * (HEAD_DIM * BLOCK_M)
-    idx_head = IDX + b * stride_ib + kv_head * stride_ih
+    # Each head's packed indices are NBYTES per key, back to back, from a 4-byte boundary (:func:`_index_layout`).
+    NBYTES: tl.constexpr = (TOPK * INDEX_BITS + 7) // 8
+    idx_head = (IDX + b * stride_ib + kv_head * stride_ih).to(tl.pointer_type(tl.uint32), bitcast=True)
     val_head = VAL + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
 
-    acc_t, l_i, m_i = softmax_start(BLOCK_M, HEAD_DIM)
+    acc_t, l_t, m_i = softmax_start(BLOCK_M, HEAD_DIM, BLOCK_N)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         key_ok = n < stop
-        s = _code_scores(table, idx_head + n * stride_it, val_head + n * stride_kt, key_ok, stride_ibyte, TOPK,
-                         INDEX_BITS, PER_WORD, VALUE_DTYPE, BLOCK_M, BLOCK_N)
+        first_byte = n * NBYTES
+        s = _code_scores(table, idx_head + first_byte // 4, (first_byte % 4 * 8).to(tl.uint32),
+                         val_head + n * stride_kt, key_ok, TOPK, INDEX_BITS, NBYTES, PER_WORD, VALUE_DTYPE, BLOCK_M,
+                         BLOCK_N)
         s = tl.where(key_ok[:, None] & row_ok[None, :] & (n[:, None] <= q_pos[None, :]), scale * s, float("-inf"))
         if V_TMA:
             v_t = tl.trans(V_DESC.load([b.to(tl.int32), kv_head.to(tl.int32), n0, 0]).reshape(BLOCK_N, HEAD_DIM))
         else:
             v_t = tl.load(v_head + n[None, :] * stride_vt + d[:, None] * stride_vd, mask=key_ok[None, :], other=0.0)
-        acc_t, l_i, m_i = softmax_step(acc_t, l_i, m_i, s, v_t, NATIVE_DOT)
+        acc_t, l_t, m_i = softmax_step(acc_t, l_t, m_i, s, v_t, NATIVE_DOT)
 
+    allow_next_kernel()  # the merge
     # A row may have no key in this chunk (a query before the chunk's keys): output 0 and log-sum-exp -inf.
-    out, lse = softmax_finish(acc_t, l_i, m_i)
+    out, lse = softmax_finish(acc_t, l_t, m_i)
     store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM)
 
 
@@ -330,8 +366,9 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = cache.kv_heads, cache.length
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
-                        programs_per_sm=_PROGRAMS_PER_SM)
+                        programs_per_sm=_programs_per_sm(head_dim))
     packed, values = cache.packed_keys()
+    _index_layout(packed)
     words = _value_words(values)
     v = cache.values()
     v_tiles = _v_tile_descriptor(v)
@@ -344,16 +381,27 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
         table = sparse_query_table(q, cache.topk, kv_heads, work.block_m)
         _sfa_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
             q, table, packed, words, v, v_tiles, part_out, part_lse,
-            *q.stride(), *packed.stride(), *words.stride()[:3], *v.stride(),
-            kv_heads, q_heads // kv_heads, q_len, k_len, scale, work.chunk_keys, work.chunks,
+            *q.stride(), *packed.stride()[:2], *words.stride()[:3], *v.stride(),
+            kv_heads, q_heads // kv_heads, q_len, k_len, scale * LOG2E, work.chunk_keys, work.chunks,
             HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, BLOCK_M=work.block_m,
             BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
             VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, V_TMA=v_tiles is not None,
-            num_warps=_NUM_WARPS,
+            num_warps=_NUM_WARPS, launch_pdl=programmatic_launch(q.device),
             num_stages=_pipeline_stages(cache.topk, work.block_m, head_dim, q.element_size()))
         split_k.merge(part_out, part_lse, out, lse)
     return out.to(q.dtype), lse
+
+
+def _index_layout(packed: torch.Tensor) -> None:
+    """The layout the kernel reads packed indices [B, Hkv, T, bytes] in, which :class:`.cache.SFAKeyCache` keeps:
+    each head's keys back to back (strides bytes and 1), the head's first byte on a 4-byte boundary (base, batch
+    and head strides multiples of 4), and the head's allocation ending on one, so that the 4-byte words the kernel
+    reads (:func:`_index_word`) lie in it."""
+    aligned = packed.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in packed.stride()[:2])
+    if packed.stride()[2:] != (packed.shape[-1], 1) or not aligned:
+        fail("cache", "packed indices in the SFAKeyCache layout (keys back to back, heads on 4-byte boundaries)",
+             f"strides {packed.stride()} at offset {packed.data_ptr() % 4} mod 4")
 
 
 def _v_tile_descriptor(v: torch.Tensor):
@@ -386,10 +434,18 @@ def _value_words(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def _programs_per_sm(head_dim: int) -> int:
+    """Programs per SM of a decode step (:func:`..split_k.plan`). v9 call C (128K, GQA 32/8, 5 stages, gated; k = 8
+    and 16 summed): at D = 128, 8 (0.094 + 0.098 ms; 5-7 per SM 0.093-0.094 + 0.100-0.105); at D = 64, 10 (0.064 +
+    0.073; 8 and 12 per SM 0.061 + 0.084, 0.062 + 0.085). Run-to-run spread of one plan in one session is up to 9%
+    (the same 5-stage plan re-timed: 0.102 + 0.107 at D = 128). Head dims 16, 32 and 256 are not measured."""
+    return 8 if head_dim >= 128 else 10
+
+
 def _pipeline_stages(topk: int, block_m: int, head_dim: int, itemsize: int) -> int:
     """_NUM_STAGES, or 1 where the software pipeline's buffers would not fit in shared memory: Triton stages each
     code's query-table gather besides the V tile and the value words, (stages - 1) * (topk * block_m + D + topk) *
-    _BLOCK_N elements (an upper bound: Triton 3.9 stages fewer of the 16-bit gathers than 3.6)."""
+    _BLOCK_N elements (an upper bound: Triton 3.6 keeps fewer buffers than stages - 1, see _NUM_STAGES)."""
     staged = (_NUM_STAGES - 1) * (topk * block_m + head_dim + topk) * _BLOCK_N * itemsize
     return _NUM_STAGES if staged <= _SHARED_BUDGET else 1
 

@@ -8,6 +8,7 @@ from sieve_attn.ops.sfa import decode
 
 topk = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 over = dict(a.split("=") for a in sys.argv[2:])
+stages = int(over.pop("stages", 3))
 fn = decode._sfa_decode_chunk
 names = fn.arg_names
 ptr = {"Q": "*bf16", "TABLE": "*bf16", "IDX": "*u8", "VAL": "*i64", "V": "*bf16", "V_DESC": "tensordesc<bf16[1,1,32,128]>", "O": "*fp32", "LSE": "*fp32"}
@@ -36,9 +37,11 @@ for n in names:
 div = [i for i, n in enumerate(names) if sig[n].startswith("*") or n in ("stride_vt", "stride_vh", "stride_vb", "stride_qh", "stride_qb", "chunk_keys")]
 attrs = {(i,): [["tt.divisibility", 16]] for i in div}
 src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=int(over.get("stages", 3))))
-print("regs", k.n_regs if hasattr(k, "n_regs") else None, "spills", getattr(k, "n_spills", None), "shared", k.metadata.shared)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=stages))
 cub = tempfile.mktemp(suffix=".cubin"); open(cub, "wb").write(k.asm["cubin"])
+usage = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"), "-res-usage", cub],
+                       capture_output=True, text=True).stdout
+print("shared", k.metadata.shared, re.search(r"REG:\d+", usage).group(0), re.search(r"STACK:\d+", usage).group(0))
 nvd = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
 sass = subprocess.run([nvd, "-c", "-g", cub], capture_output=True, text=True).stdout
 lines = [l for l in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", l)]

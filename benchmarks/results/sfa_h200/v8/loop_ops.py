@@ -1,4 +1,5 @@
-"""Instruction counts of the main loop (the longest backward branch) of an nvdisasm listing.
+"""Instruction counts of the main loop (the longest predicated backward branch: an unconditional one closes a
+barrier wait's detour, not a loop) of an nvdisasm listing.
 Usage: python loop_ops.py FILE.sass, or main_loop(sass_text) -> (instructions, Counter of opcodes)."""
 import collections
 import re
@@ -18,7 +19,7 @@ def main_loop(sass: str):
         if label and following:
             labels[label.group(1)] = address(following)
     branches = [(address(line) - labels[m.group(1)], labels[m.group(1)], address(line)) for line in instructions
-                for m in [re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)] if m and labels.get(m.group(1), 1 << 60) < address(line)]
+                for m in [re.search(r"@!?P\d\s+BRA\s+`\((\.L_x_\d+)\)", line)] if m and labels.get(m.group(1), 1 << 60) < address(line)]
     _, start, end = max(branches)
     loop = [line for line in instructions if start <= address(line) <= end]
     ops = collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line).group(1) for line in loop)
