@@ -258,6 +258,19 @@ def assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk, backend="triton"):
     assert max_error(lse, exact_lse) <= 2 * max_error(low_lse, exact_lse) + 1e-5
 
 
+def test_heads_of_packed_indices_start_on_word_boundaries_which_the_kernel_checks():
+    """The cache puts each head's packed indices on a 4-byte boundary, whatever the capacity (an odd capacity pads the
+    head), because the kernel reads them as 4-byte words; packed indices in another layout get a clear error."""
+    cache = SFAKeyCache(2, 3, 128, topk=16, dtype=BF16, device=DEVICE, capacity=5)  # 5 keys x 14 bytes: 70
+    cache.append(*random_kv(2, 3, 5, 128, BF16))
+    packed = cache.packed_keys()[0]
+    assert packed.stride() == (3 * 72, 72, 14, 1) and packed.data_ptr() % 4 == 0
+    decode_module._index_layout(packed)  # accepted
+    shifted = torch.empty(packed.numel() + 2, dtype=torch.uint8, device=DEVICE)[2:].view(packed.shape)
+    with pytest.raises(ValueError, match="cache: expected packed indices in the SFAKeyCache layout"):
+        decode_module._index_layout(shifted)
+
+
 @pytest.mark.parametrize("dtype, topk, word", [(BF16, 16, torch.int64), (BF16, 6, torch.int32), (F16, 7, F16),
                                                (F32, 2, torch.int64), (F32, 3, F32), (BF16, 1, BF16)])
 def test_kernel_reads_values_as_the_widest_words_that_tile_a_key(dtype, topk, word):
