@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_common import jit, programmatic_launch, triton, wait_for_prior_kernel
+from .triton_common import hopper_or_newer, jit, triton, wait_for_prior_kernel
 
 if triton is not None:
     import triton.language as tl
@@ -129,4 +129,4 @@ def merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse
     _merge_kernel[(lse.numel(), head_dim // merge_d)](part_out, part_lse, out, lse, chunks, HEAD_DIM=head_dim,
                                                       BLOCK_C=triton.next_power_of_2(chunks),
                                                       MERGE_CHUNKS=_MERGE_CHUNKS, MERGE_D=merge_d,
-                                                      launch_pdl=programmatic_launch(lse.device))
+                                                      launch_pdl=hopper_or_newer(lse.device))

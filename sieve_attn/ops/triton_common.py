@@ -55,11 +55,11 @@ def dot(a, b, NATIVE: tl.constexpr):
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
-def programmatic_launch(device) -> bool:
-    """Whether kernels on ``device`` can be launched with ``launch_pdl=True`` (programmatic dependent launch:
-    compute capability 9 or more); the kernels that take it pair :func:`allow_next_kernel` with
-    :func:`wait_for_prior_kernel`. Why: a decode step is three short kernels, and each launch otherwise waits for
-    the previous kernel to drain before it is scheduled."""
+def hopper_or_newer(device) -> bool:
+    """Whether ``device`` is a GPU of compute capability 9 or more: one with the TMA copy engine (tensor-descriptor
+    loads) and programmatic dependent launch (``launch_pdl=True``, with :func:`allow_next_kernel` and
+    :func:`wait_for_prior_kernel`). Why the decode kernels launch so: a decode step is three short kernels, and
+    each launch otherwise waits for the previous kernel to drain before it is scheduled."""
     import torch
 
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

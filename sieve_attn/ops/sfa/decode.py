@@ -48,8 +48,8 @@ from ..._checks import check_choice, check_no_nan, fail, resolve_scale
 from ...config import SFA_DECODE_BACKENDS
 from .. import split_k
 from ..split_k import program_rows, store_rows
-from ..triton_common import (LOG2E, allow_next_kernel, choose_backend, is_interpreted, jit, kernel_blocker,
-                             on_device_of, programmatic_launch, softmax_finish, softmax_start, softmax_step, triton,
+from ..triton_common import (LOG2E, allow_next_kernel, choose_backend, hopper_or_newer, is_interpreted, jit,
+                             kernel_blocker, on_device_of, softmax_finish, softmax_start, softmax_step, triton,
                              wait_for_prior_kernel)
 from .cache import SFAKeyCache
 from .codes import densify, sparsify
@@ -209,13 +209,13 @@ def _sfa_decode_chunk(
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_vd,
     kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
-    HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    V_TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, NBYTES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, V_TMA: tl.constexpr,
 ):
     """Grid (B * Hkv, chunks, row blocks). Q: the queries [B, Hq, Tq, D] (only their layout is read: the rows and
     positions); TABLE: their sparse query table [B, Hkv, row blocks, D, BLOCK_M] (:func:`_sparse_query_table`);
-    IDX: the cached keys' packed indices uint8 [B, Hkv, Tk, ceil(TOPK * INDEX_BITS / 8)]
+    IDX: the cached keys' packed indices uint8 [B, Hkv, Tk, NBYTES = ceil(TOPK * INDEX_BITS / 8)]
     (:func:`.cache.pack_indices`); VAL: their values [B, Hkv, Tk, TOPK] (VALUE_DTYPE) viewed as words of PER_WORD
     values [B, Hkv, Tk, TOPK / PER_WORD] (:func:`_code_value`); V [B, Hkv, Tk, D], read through V_DESC, its TMA
     descriptor in [1, 1, BLOCK_N, D] tiles (:func:`_v_tile_descriptor`), when V_TMA, else through its pointer and
@@ -229,7 +229,6 @@ def _sfa_decode_chunk(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
     table = TABLE + ((b * kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)) * (HEAD_DIM * BLOCK_M)
     # Each head's packed indices are NBYTES per key, back to back, from a 4-byte boundary (:func:`_index_layout`).
-    NBYTES: tl.constexpr = (TOPK * INDEX_BITS + 7) // 8
     idx_head = (IDX + b * stride_ib + kv_head * stride_ih).to(tl.pointer_type(tl.uint32), bitcast=True)
     val_head = VAL + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
@@ -383,11 +382,11 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
             q, table, packed, words, v, v_tiles, part_out, part_lse,
             *q.stride(), *packed.stride()[:2], *words.stride()[:3], *v.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, scale * LOG2E, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, BLOCK_M=work.block_m,
-            BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
+            HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, NBYTES=cache.packed_bytes,
+            BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
             VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, V_TMA=v_tiles is not None,
-            num_warps=_NUM_WARPS, launch_pdl=programmatic_launch(q.device),
+            num_warps=_NUM_WARPS, launch_pdl=hopper_or_newer(q.device),
             num_stages=_pipeline_stages(cache.topk, work.block_m, head_dim, q.element_size()))
         split_k.merge(part_out, part_lse, out, lse)
     return out.to(q.dtype), lse
@@ -411,7 +410,7 @@ def _v_tile_descriptor(v: torch.Tensor):
 
     Why: the tile then costs one copy instruction rather than a masked 16-byte copy with its address per thread and
     row: with it the step at 128K, topk = 16 took 0.106 rather than 0.110 ms (v8)."""
-    capable = _INTERPRETED or torch.cuda.get_device_capability(v.device)[0] >= 9
+    capable = _INTERPRETED or hopper_or_newer(v.device)
     aligned = v.data_ptr() % 16 == 0 and v.stride(-1) == 1 and all(
         stride * v.element_size() % 16 == 0 for stride in v.stride()[:-1])
     if not (capable and aligned):

@@ -13,7 +13,7 @@ fn = decode._sfa_decode_chunk
 names = fn.arg_names
 ptr = {"Q": "*bf16", "TABLE": "*bf16", "IDX": "*u8", "VAL": "*i64", "V": "*bf16", "V_DESC": "tensordesc<bf16[1,1,32,128]>", "O": "*fp32", "LSE": "*fp32"}
 import triton.language as tl
-const = dict(HEAD_DIM=128, TOPK=topk, INDEX_BITS=7, BLOCK_M=4, BLOCK_N=32, PER_WORD=4, VALUE_DTYPE=tl.bfloat16,
+const = dict(HEAD_DIM=128, TOPK=topk, INDEX_BITS=7, NBYTES=(topk * 7 + 7) // 8, BLOCK_M=4, BLOCK_N=32, PER_WORD=4, VALUE_DTYPE=tl.bfloat16,
              NATIVE_DOT=True, V_TMA=0)
 for k, v in over.items():
     const[k] = int(v) if v.lstrip("-").isdigit() else v

@@ -32,7 +32,7 @@ out_dir, tag = sys.argv[1], sys.argv[2]
 if os.environ.get("PROBE_NO_PDL"):  # the tree's decode steps without programmatic dependent launches
     from sieve_attn.ops import split_k
     for module in (sfa_decode_module, split_k):
-        module.programmatic_launch = lambda device: False
+        module.hopper_or_newer = lambda device: False  # (named programmatic_launch when call C ran)
 dev = torch.device(os.environ.get("PROBE_DEVICE", "cuda"))  # cpu with TRITON_INTERPRET=1: a smoke test
 B, HQ, HKV, T = 1, 32, 8, int(os.environ.get("PROBE_TOKENS", 131072))
 rows = []
