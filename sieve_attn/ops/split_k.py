@@ -31,7 +31,8 @@ _MERGE_CHUNKS, _MERGE_D = 64, 32
 class Plan:
     """block_m rows per program (the KV head's rows rounded up to a power of two, at most 64: the kernels take their
     rows as the N of keys-major MMAs, which pad them to 8 themselves), row_blocks programs per (batch, KV head,
-    chunk), chunk_keys keys per chunk."""
+    chunk), chunk_keys keys per chunk: chunk c holds keys [c * chunk_keys, (c + 1) * chunk_keys), and keys from
+    chunks * chunk_keys on are a kernel's pool (none unless planned with ``pooled``)."""
 
     block_m: int
     row_blocks: int
@@ -45,16 +46,21 @@ def sm_count(device: torch.device) -> int:
 
 
 def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device: torch.device, *, block_n: int,
-         programs_per_sm: int) -> Plan:
+         programs_per_sm: int, pooled: float = 0.0) -> Plan:
     """About ``programs_per_sm`` programs per SM in all, each chunk a whole number of ``block_n``-key tiles (the
     kernel's tile). Each kernel measures its own: resident programs hide each other's load latency, and a last wave
-    that fills only part of the SMs leaves the rest idle, so whole waves of what an SM holds at once win."""
+    that fills only part of the SMs leaves the rest idle, so whole waves of what an SM holds at once win.
+
+    ``pooled`` in [0, 1): at least that fraction of the tiles is left out of the chunks, for a kernel whose
+    programs take the rest over from a pool as they finish their chunk (0: the chunks cover every key)."""
     rows = q_heads // kv_heads * q_len
     block_m = min(_MAX_BLOCK_M, triton.next_power_of_2(rows))
     row_blocks = triton.cdiv(rows, block_m)
     sms = sm_count(device)
     tiles = triton.cdiv(k_len, block_n)
     chunks = max(1, min(tiles, triton.cdiv(programs_per_sm * sms, batch * kv_heads * row_blocks)))
+    if pooled > 0:
+        return Plan(block_m, row_blocks, int(tiles * (1 - pooled)) // chunks * block_n, chunks)
     tiles_per_chunk = triton.cdiv(tiles, chunks)
     return Plan(block_m, row_blocks, tiles_per_chunk * block_n, triton.cdiv(tiles, tiles_per_chunk))
 

@@ -305,8 +305,10 @@ def test_kernel_unpacks_indices_wider_than_a_byte(head_dim, topk):
 def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, several_tiles):
     """The CASES above give every chunk one tile of the kernel's keys (few keys against the H200's 132 SMs).
     Planned for one SM (on the GPU too: the test replaces the device's SM count), 700 keys split into chunks of
-    several tiles, the last chunk short and cut mid-tile, so the online softmax runs across tiles within a program;
-    2 query heads per KV head and 3 queries (the causal edge inside the last tile), D = 128, topk = 16, bfloat16."""
+    several tiles and a pool of more than one unit past them, its last unit cut mid-tile, which the programs take
+    over as they finish their chunks (in the interpreter, which runs programs one after another, the first takes
+    it all), so the online softmax runs across tiles and units within a program; 2 query heads per KV head and 3
+    queries (the causal edge inside the last tile), D = 128, topk = 16, bfloat16."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     if several_tiles:
@@ -314,10 +316,10 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 3, 700, 128, 16
     block_n = decode_module._BLOCK_N
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
-                        programs_per_sm=decode_module._programs_per_sm(head_dim))
+                        programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
     if several_tiles:
         assert work.chunks >= 2 and work.chunk_keys >= 2 * block_n and k_len % block_n != 0
-        assert (work.chunks - 1) * work.chunk_keys < k_len < work.chunks * work.chunk_keys
+        assert k_len - work.chunks * work.chunk_keys > decode_module._UNIT_TILES * block_n
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
     q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
@@ -330,7 +332,7 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
 @pytest.mark.parametrize("kv_heads, block_m", [(1, 4), (1, 16), (3, 8)], ids=["mqa-4-blocks", "mqa-one-block", "mha"])
 def test_kernel_sparsifies_queries_like_codes_sparsify_ties_included(dtype, head_dim, topk, kv_heads, block_m):
     """The decode kernel's query table (one launch) holds codes.sparsify exactly, each query row in its column of
-    its row block, on strided queries whose magnitudes repeat (values from {0, +-0.5, +-1, +-2}, -0.0 included), so
+    its row block (and the launch zeroes the decode kernel's pool counters, one per row block), on strided queries whose magnitudes repeat (values from {0, +-0.5, +-1, +-2}, -0.0 included), so
     ties decide the kept coordinates: the lower index wins. 3 query heads x 5 queries: 15 rows per KV head over 4
     blocks of 4 (one padding column) or one of 16 under MQA, 5 rows in a block of 8 under MHA."""
     if KERNEL_BLOCKER:
@@ -340,9 +342,10 @@ def test_kernel_sparsifies_queries_like_codes_sparsify_ties_included(dtype, head
     q = levels[torch.randint(0, 8, (2, 5, 3, head_dim), device=DEVICE)].to(dtype).transpose(1, 2)  # [2, 3, 5, D]
     batch, q_heads, q_len, _ = q.shape
     rows = q_heads // kv_heads * q_len
-    table = sparse_query_table(q, topk, kv_heads, block_m)
+    table, counters = sparse_query_table(q, topk, kv_heads, block_m)
     assert table.is_contiguous() and table.dtype == dtype
     assert table.shape == (batch, kv_heads, -(-rows // block_m), head_dim, block_m)
+    assert counters.dtype == torch.int32 and counters.tolist() == [0] * (batch * kv_heads * -(-rows // block_m))
     # [B, Hkv, blocks, D, block_m] -> rows r = (h % G) * Tq + i of each KV head -> [B, Hq, Tq, D]
     columns = table.transpose(-1, -2).reshape(batch, kv_heads, -1, head_dim)
     got = columns[:, :, :rows].reshape(q.shape)

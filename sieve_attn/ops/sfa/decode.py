@@ -66,6 +66,13 @@ if triton is not None:
 # 5 stages at 8 per SM fastest at topk = 16 (0.098 ms; 4 stages 0.103-0.114; 8 stages 0.104-0.121), topk = 8
 # within noise of the best (0.094 vs 0.091). Programs per SM: :func:`_programs_per_sm`.
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
+# The pool of keys the programs take over from each other (:func:`_sfa_decode_chunk`): the fraction of the tiles
+# left out of the chunks, and the tiles of one unit taken at a time. v10 call D (128K, GQA 32/8, 5 stages, gated,
+# hot, 5 interleaved rounds): at D = 128 a 10% pool of 4-tile units took topk = 16 from 0.0988 to 0.0968 ms and
+# topk = 8 from 0.0940 to 0.0897 (15-30% pools: 0.0984-0.0989 and 0.0894-0.0901; 8-tile units slower, 2-tile
+# units about equal); at D = 64 (10 per SM) topk = 8 0.0650 -> 0.0602, topk = 16 0.0730 -> 0.0732 (20-30%:
+# 0.0755-0.0765, slower).
+_POOLED, _UNIT_TILES = 0.1, 4
 # Shared memory a pipelined launch may ask for (an H200 block gets 227 KiB; the dots' conversions need some).
 _SHARED_BUDGET = 160 * 1024
 # Elements of one densified key block (and of one score block) in the reference: 16 MiB in float32.
@@ -122,13 +129,14 @@ def _packed_index(key_words, key_shift, key_ok, T: tl.constexpr, BITS: tl.conste
 
 
 @jit
-def _sparse_query_table(X, TABLE, stride_xb, stride_xh, stride_xt, stride_xd, heads, kv_heads, q_len, topk,
+def _sparse_query_table(X, TABLE, COUNTERS, stride_xb, stride_xh, stride_xt, stride_xd, heads, kv_heads, q_len, topk,
                         row_blocks, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
     """Grid (B * Hq * Tq,). Writes ``sparsify(X, topk)`` for X [B, Hq, Tq, D] (any strides, no NaN), one query row
     per program, into TABLE [B, Hkv, row_blocks, D, BLOCK_M] (contiguous, X's dtype): row r = (h % G) * Tq + i of KV
     head h // G (G = Hq / Hkv) goes to column r % BLOCK_M of row block r // BLOCK_M, so the BLOCK_M rows of one
     decode program lie side by side under each coordinate. Columns of no row (the last block's padding) are left
-    as they are.
+    as they are. Sets COUNTERS [B * Hkv * row_blocks] (int32; the decode kernel's pool counters, one per row
+    block) to 0: the program of each block's first row does.
 
     Coordinate u keeps x_u iff fewer than topk coordinates v rank above it, v ranking above u when |x_v| > |x_u|,
     or |x_v| == |x_u| and v < u (the rule of :mod:`.codes`, ties to the lower index, so the same coordinates as its
@@ -152,6 +160,8 @@ def _sparse_query_table(X, TABLE, stride_xb, stride_xh, stride_xt, stride_xd, he
     r = h % group * q_len + i
     block = (b * kv_heads + h // group) * row_blocks + r // BLOCK_M
     tl.store(TABLE + (block * HEAD_DIM + u) * BLOCK_M + r % BLOCK_M, tl.where(rank < topk, x, tl.zeros_like(x)))
+    if r % BLOCK_M == 0:
+        tl.store(COUNTERS + block, 0)
 
 
 @jit
@@ -202,38 +212,13 @@ def _code_scores(table, index_words, index_shift, value_words, key_ok, TOPK: tl.
 
 
 @jit
-def _sfa_decode_chunk(
-    Q, TABLE, IDX, VAL, V, V_DESC, O, LSE,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_ib, stride_ih,
-    stride_kb, stride_kh, stride_kt,
-    stride_vb, stride_vh, stride_vt, stride_vd,
-    kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
-    HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, NBYTES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, V_TMA: tl.constexpr,
-):
-    """Grid (B * Hkv, chunks, row blocks). Q: the queries [B, Hq, Tq, D] (only their layout is read: the rows and
-    positions); TABLE: their sparse query table [B, Hkv, row blocks, D, BLOCK_M] (:func:`_sparse_query_table`);
-    IDX: the cached keys' packed indices uint8 [B, Hkv, Tk, NBYTES = ceil(TOPK * INDEX_BITS / 8)]
-    (:func:`.cache.pack_indices`); VAL: their values [B, Hkv, Tk, TOPK] (VALUE_DTYPE) viewed as words of PER_WORD
-    values [B, Hkv, Tk, TOPK / PER_WORD] (:func:`_code_value`); V [B, Hkv, Tk, D], read through V_DESC, its TMA
-    descriptor in [1, 1, BLOCK_N, D] tiles (:func:`_v_tile_descriptor`), when V_TMA, else through its pointer and
-    strides. BLOCK_M rows per program, any power of two (the rows are the N of the MMAs, which pad them to 8
-    themselves: :func:`..triton_common.softmax_step`). Writes each row's output over the chunk's
-    keys (normalised over them) and its log-sum-exp to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks]
-    (float32, contiguous). ``scale``: the logit scale times log2 e (the softmax is in base 2)."""
-    wait_for_prior_kernel()  # the query table (a programmatic dependent launch where the GPU can)
-    # The scores read q through the table: program_rows' dense q tile goes unused, and the compiler drops its load.
-    b, kv_head, r, row_ok, q_pos, d, _, _, start, stop = program_rows(
-        Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
-    table = TABLE + ((b * kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)) * (HEAD_DIM * BLOCK_M)
-    # Each head's packed indices are NBYTES per key, back to back, from a 4-byte boundary (:func:`_index_layout`).
-    idx_head = (IDX + b * stride_ib + kv_head * stride_ih).to(tl.pointer_type(tl.uint32), bitcast=True)
-    val_head = VAL + b * stride_kb + kv_head * stride_kh
-    v_head = V + b * stride_vb + kv_head * stride_vh
-
-    acc_t, l_t, m_i = softmax_start(BLOCK_M, HEAD_DIM, BLOCK_N)
+def _key_range(acc_t, l_t, m_i, start, stop, table, idx_head, val_head, V_DESC, v_head, b, kv_head, row_ok, q_pos, d,
+               scale, stride_kt, stride_vt, stride_vd, HEAD_DIM: tl.constexpr, TOPK: tl.constexpr,
+               INDEX_BITS: tl.constexpr, NBYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr, NATIVE_DOT: tl.constexpr, V_TMA: tl.constexpr):
+    """The online softmax state (:func:`..triton_common.softmax_step`) carried over cached keys [start, stop) of one
+    KV head, BLOCK_N at a time (start a multiple of BLOCK_N), against the program's rows; arguments as in
+    :func:`_sfa_decode_chunk` (the head's pointers already offset)."""
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         key_ok = n < stop
@@ -247,6 +232,67 @@ def _sfa_decode_chunk(
         else:
             v_t = tl.load(v_head + n[None, :] * stride_vt + d[:, None] * stride_vd, mask=key_ok[None, :], other=0.0)
         acc_t, l_t, m_i = softmax_step(acc_t, l_t, m_i, s, v_t, NATIVE_DOT)
+    return acc_t, l_t, m_i
+
+
+@jit
+def _sfa_decode_chunk(
+    Q, TABLE, COUNTERS, IDX, VAL, V, V_DESC, O, LSE,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_ib, stride_ih,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
+    HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, NBYTES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, V_TMA: tl.constexpr, UNIT_KEYS: tl.constexpr,
+):
+    """Grid (B * Hkv, chunks, row blocks). Q: the queries [B, Hq, Tq, D] (only their layout is read: the rows and
+    positions); TABLE: their sparse query table [B, Hkv, row blocks, D, BLOCK_M] (:func:`_sparse_query_table`);
+    IDX: the cached keys' packed indices uint8 [B, Hkv, Tk, NBYTES = ceil(TOPK * INDEX_BITS / 8)]
+    (:func:`.cache.pack_indices`); VAL: their values [B, Hkv, Tk, TOPK] (VALUE_DTYPE) viewed as words of PER_WORD
+    values [B, Hkv, Tk, TOPK / PER_WORD] (:func:`_code_value`); V [B, Hkv, Tk, D], read through V_DESC, its TMA
+    descriptor in [1, 1, BLOCK_N, D] tiles (:func:`_v_tile_descriptor`), when V_TMA, else through its pointer and
+    strides. BLOCK_M rows per program, any power of two (the rows are the N of the MMAs, which pad them to 8
+    themselves: :func:`..triton_common.softmax_step`). ``scale``: the logit scale times log2 e (the softmax is in
+    base 2).
+
+    Which keys a program takes: its chunk's own, keys [c * chunk_keys, (c + 1) * chunk_keys) of chunk c, then
+    units of UNIT_KEYS (a multiple of BLOCK_N) of the pool past every chunk's own, [chunks * chunk_keys, Tk), one at
+    a time, each to the program of its (batch, KV head, row block) that asks first: COUNTERS (int32, one per row
+    block, [B * Hkv * row blocks], 0 when the kernel starts: :func:`_sparse_query_table` sets them) counts the
+    pool's keys given out. Why: the programs of a step all run at once (one wave), and programs on some SMs run
+    faster than on others (v10: on SMs holding 7 programs, the same work ended anywhere from 77 to 92 us), so with
+    fixed chunks the kernel waits for the slowest SM; the pool lets the fast ones take over the rest.
+
+    Writes each row's output over the keys the program took (normalised over them) and its log-sum-exp to O [B, Hq,
+    Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (float32, contiguous). The split depends on the timing, the result
+    does not beyond float32 rounding: the merge (:func:`..split_k.merge`) is exact for any partition."""
+    wait_for_prior_kernel()  # the query table (a programmatic dependent launch where the GPU can)
+    # The scores read q through the table: program_rows' dense q tile goes unused, and the compiler drops its load.
+    b, kv_head, r, row_ok, q_pos, d, _, _, start, stop = program_rows(
+        Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
+    table = TABLE + ((b * kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)) * (HEAD_DIM * BLOCK_M)
+    # Each head's packed indices are NBYTES per key, back to back, from a 4-byte boundary (:func:`_index_layout`).
+    idx_head = (IDX + b * stride_ib + kv_head * stride_ih).to(tl.pointer_type(tl.uint32), bitcast=True)
+    val_head = VAL + b * stride_kb + kv_head * stride_kh
+    v_head = V + b * stride_vb + kv_head * stride_vh
+
+    acc_t, l_t, m_i = softmax_start(BLOCK_M, HEAD_DIM, BLOCK_N)
+    acc_t, l_t, m_i = _key_range(acc_t, l_t, m_i, start, stop, table, idx_head, val_head, V_DESC, v_head, b, kv_head,
+                                 row_ok, q_pos, d, scale, stride_kt, stride_vt, stride_vd, HEAD_DIM, TOPK, INDEX_BITS,
+                                 NBYTES, BLOCK_M, BLOCK_N, PER_WORD, VALUE_DTYPE, NATIVE_DOT, V_TMA)
+    # Then units of UNIT_KEYS from the keys past every chunk's own, taken in turn by whichever program of this row
+    # block asks first (the table kernel set the block's counter to 0): programs on SMs that run fast take more.
+    counter = COUNTERS + tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+    pool_start = num_chunks * chunk_keys
+    unit = pool_start + tl.atomic_add(counter, UNIT_KEYS, sem="relaxed")
+    while unit < k_len:
+        acc_t, l_t, m_i = _key_range(acc_t, l_t, m_i, unit, tl.minimum(unit + UNIT_KEYS, k_len), table, idx_head,
+                                     val_head, V_DESC, v_head, b, kv_head, row_ok, q_pos, d, scale, stride_kt,
+                                     stride_vt, stride_vd, HEAD_DIM, TOPK, INDEX_BITS, NBYTES, BLOCK_M, BLOCK_N,
+                                     PER_WORD, VALUE_DTYPE, NATIVE_DOT, V_TMA)
+        unit = pool_start + tl.atomic_add(counter, UNIT_KEYS, sem="relaxed")
 
     allow_next_kernel()  # the merge
     # A row may have no key in this chunk (a query before the chunk's keys): output 0 and log-sum-exp -inf.
@@ -365,7 +411,7 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = cache.kv_heads, cache.length
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
-                        programs_per_sm=_programs_per_sm(head_dim))
+                        programs_per_sm=_programs_per_sm(head_dim), pooled=_POOLED)
     packed, values = cache.packed_keys()
     _index_layout(packed)
     words = _value_words(values)
@@ -377,15 +423,16 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     out = torch.empty(q.shape, dtype=torch.float32 if _INTERPRETED else q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with on_device_of(q):
-        table = sparse_query_table(q, cache.topk, kv_heads, work.block_m)
+        table, counters = sparse_query_table(q, cache.topk, kv_heads, work.block_m)
         _sfa_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
-            q, table, packed, words, v, v_tiles, part_out, part_lse,
+            q, table, counters, packed, words, v, v_tiles, part_out, part_lse,
             *q.stride(), *packed.stride()[:2], *words.stride()[:3], *v.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, scale * LOG2E, work.chunk_keys, work.chunks,
             HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, NBYTES=cache.packed_bytes,
             BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
             VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, V_TMA=v_tiles is not None,
+            UNIT_KEYS=_UNIT_TILES * _BLOCK_N,
             num_warps=_NUM_WARPS, launch_pdl=hopper_or_newer(q.device),
             num_stages=_pipeline_stages(cache.topk, work.block_m, head_dim, q.element_size()))
         split_k.merge(part_out, part_lse, out, lse)
@@ -449,18 +496,21 @@ def _pipeline_stages(topk: int, block_m: int, head_dim: int, itemsize: int) -> i
     return _NUM_STAGES if staged <= _SHARED_BUDGET else 1
 
 
-def sparse_query_table(q: torch.Tensor, topk: int, kv_heads: int, block_m: int) -> torch.Tensor:
+def sparse_query_table(q: torch.Tensor, topk: int, kv_heads: int,
+                       block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`.codes.sparsify` (q, topk) of q [B, Hq, Tq, D] (D a power of two, no NaN), laid out for the decode
-    kernel by one launch: a new tensor [B, Hkv, ceil(G * Tq / block_m), D, block_m] of q's dtype (G = Hq / Hkv)
-    whose [b, h // G, r // block_m, :, r % block_m] is sparsify(q)[b, h, i] for r = (h % G) * Tq + i, element for
-    element; the last block's columns past G * Tq are 0. Call within q's device."""
+    kernel by one launch: returns a new tensor [B, Hkv, ceil(G * Tq / block_m), D, block_m] of q's dtype (G = Hq /
+    Hkv) whose [b, h // G, r // block_m, :, r % block_m] is sparsify(q)[b, h, i] for r = (h % G) * Tq + i, element
+    for element (the last block's columns past G * Tq are 0), and the decode kernel's pool counters, int32 [B * Hkv
+    * row blocks], set to 0 by the same launch. Call within q's device."""
     batch, heads, q_len, head_dim = q.shape
     rows = heads // kv_heads * q_len
     row_blocks = triton.cdiv(rows, block_m)
     # Zeros only where a padding column exists (one more launch); the kernel writes every other element.
     allocate = torch.empty if rows % block_m == 0 else torch.zeros
     table = allocate(batch, kv_heads, row_blocks, head_dim, block_m, dtype=q.dtype, device=q.device)
-    _sparse_query_table[(batch * heads * q_len,)](q, table, *q.stride(), heads, kv_heads, q_len, topk, row_blocks,
-                                                  HEAD_DIM=head_dim, BLOCK_M=block_m,
+    counters = torch.empty(batch * kv_heads * row_blocks, dtype=torch.int32, device=q.device)
+    _sparse_query_table[(batch * heads * q_len,)](q, table, counters, *q.stride(), heads, kv_heads, q_len, topk,
+                                                  row_blocks, HEAD_DIM=head_dim, BLOCK_M=block_m,
                                                   BLOCK_V=min(head_dim, _SPARSIFY_BLOCK_V))
-    return table
+    return table, counters

@@ -2,7 +2,7 @@
 its wait for the query table, and ends, and on which SM (PTX %globaltimer, %smid), to see how much of the kernel's
 time is ramp-up, imbalance between SMs, and tail. The tree's decode.py with three timer reads patched in (text
 patch, written beside it as a module). One step at 128K, k=16, GQA 32/8, D=128, bf16, replayed as a CUDA graph after
-20 warm replays and an L2 flush. Usage: python program_times.py OUT. Writes OUT/program_times.json."""
+20 warm replays and an L2 flush. Usage: [PROBE_PLAN=POOLED:UNIT:STAGES:PER_SM] python program_times.py OUT. Writes OUT/program_times.json."""
 import importlib
 import json
 import os
@@ -18,7 +18,7 @@ from sieve_attn.ops.sfa.cache import SFAKeyCache
 
 CLOCK = 'tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)'
 PATCHES = [
-    ("    Q, TABLE, IDX, VAL, V, V_DESC, O, LSE,\n", "    Q, TABLE, IDX, VAL, V, V_DESC, O, LSE, TIMES,\n"),
+    ("V, V_DESC, O, LSE,\n", "V, V_DESC, O, LSE, TIMES,\n"),
     ("    wait_for_prior_kernel()  # the query table (a programmatic dependent launch where the GPU can)\n",
      f"    t_start = {CLOCK}\n    wait_for_prior_kernel()\n    t_wait = {CLOCK}\n"),
     ("    store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM)\n",
@@ -28,8 +28,7 @@ PATCHES = [
      "    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)\n"
      "    tl.store(TIMES + pid * 4, t_start)\n    tl.store(TIMES + pid * 4 + 1, t_wait)\n"
      "    tl.store(TIMES + pid * 4 + 2, t_end)\n    tl.store(TIMES + pid * 4 + 3, sm.to(tl.int64))\n"),
-    ("            q, table, packed, words, v, v_tiles, part_out, part_lse,\n",
-     "            q, table, packed, words, v, v_tiles, part_out, part_lse, TIMES,\n"),
+    ("v, v_tiles, part_out, part_lse,\n", "v, v_tiles, part_out, part_lse, TIMES,\n"),
 ]
 
 source = open(head.__file__).read()
@@ -38,6 +37,10 @@ for old, new in PATCHES:
     source = source.replace(old, new)
 open(os.path.join(os.path.dirname(head.__file__), "_probe_times.py"), "w").write(source)
 module = importlib.import_module("sieve_attn.ops.sfa._probe_times")
+if os.environ.get("PROBE_PLAN"):  # POOLED:UNIT:STAGES:PROGRAMS_PER_SM (the pool's knobs, where the tree has them)
+    pooled, unit, stages, per_sm = os.environ["PROBE_PLAN"].split(":")
+    module._POOLED, module._UNIT_TILES, module._NUM_STAGES = float(pooled), int(unit), int(stages)
+    module._programs_per_sm = lambda head_dim, p=int(per_sm): p
 dev = torch.device("cuda")
 module.TIMES = torch.zeros(4096 * 4, dtype=torch.int64, device=dev)
 torch.manual_seed(0)
@@ -74,4 +77,4 @@ for rep in range(5):
                last_end_by_count={c: max(max(x) for x in per_sm.values() if len(x) == c) / 1000 for c in set(counts)})
     result.append(row)
     print(json.dumps(row), flush=True)
-json.dump(result, open(os.path.join(sys.argv[1], "program_times.json"), "w"), indent=1)
+json.dump(result, open(os.path.join(sys.argv[1], f"program_times{os.environ.get('PROBE_TAG', '')}.json"), "w"), indent=1)
