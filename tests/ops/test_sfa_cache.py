@@ -313,6 +313,7 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
         pytest.skip(KERNEL_BLOCKER)
     if several_tiles:
         monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
+        monkeypatch.setattr(decode_module, "_POOL_FROM_TILES", 1)  # a pool at these short chunks too
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 3, 700, 128, 16
     block_n = decode_module._BLOCK_N
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,

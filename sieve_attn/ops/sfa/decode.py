@@ -10,7 +10,8 @@ keys the cache was built from. Two backends compute it:
 - ``triton``: flash-decoding split-K (:mod:`sieve_attn.ops.split_k`), bound by the bytes of the cache. One launch
   sparsifies the queries into a table (:func:`sparse_query_table`) that puts the G * Tq query rows of a KV head
   (G = Hq / Hkv) side by side under each coordinate; then one program per (batch, KV head, chunk of keys) takes all
-  of them, so every code and every V row is read from memory once. The score tile is [keys, rows], one key per
+  of them, so every code and every V row is read from memory once; the last tenth of the keys is a pool that the
+  programs take over in small units as they finish their chunks (:func:`_sfa_decode_chunk`). The score tile is [keys, rows], one key per
   thread: the thread reads its key's packed indices as the 4-byte words that hold them (:func:`_index_word`) and
   its values as 8-byte words, and per code t < topk one vector load fetches the rows' table entries at index t (8
   bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1): score = scale * sum_t q~[idx_t] * val_t, the dot of
@@ -72,7 +73,11 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # topk = 8 from 0.0940 to 0.0897 (15-30% pools: 0.0984-0.0989 and 0.0894-0.0901; 8-tile units slower, 2-tile
 # units about equal); at D = 64 (10 per SM) topk = 8 0.0650 -> 0.0602, topk = 16 0.0730 -> 0.0732 (20-30%:
 # 0.0755-0.0765, slower).
-_POOLED, _UNIT_TILES = 0.1, 4
+# Short chunks keep no pool: at 8K and 32K cached tokens (1-8 tiles per chunk) most of the keys went through the
+# pool, each unit restarting the software pipeline, and the step got slower (v10 call E, D = 128, topk = 8 / 16:
+# 8K 0.96x / 0.89x dense against 1.08x / 1.06x with fixed chunks in call A, 32K 1.28x / 1.18x against 1.30x /
+# 1.22x); 128K has 32 tiles per chunk. 64K (16) is not measured with the pool and keeps fixed chunks.
+_POOLED, _UNIT_TILES, _POOL_FROM_TILES = 0.1, 4, 24
 # Shared memory a pipelined launch may ask for (an H200 block gets 227 KiB; the dots' conversions need some).
 _SHARED_BUDGET = 160 * 1024
 # Elements of one densified key block (and of one score block) in the reference: 16 MiB in float32.
@@ -411,7 +416,10 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = cache.kv_heads, cache.length
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
-                        programs_per_sm=_programs_per_sm(head_dim), pooled=_POOLED)
+                        programs_per_sm=_programs_per_sm(head_dim))
+    if work.chunk_keys >= _POOL_FROM_TILES * _BLOCK_N:
+        work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
+                            programs_per_sm=_programs_per_sm(head_dim), pooled=_POOLED)
     packed, values = cache.packed_keys()
     _index_layout(packed)
     words = _value_words(values)
