@@ -34,12 +34,11 @@ Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :fu
   fix-up; NOTES.md, v9).
 
 MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays, gated; benchmarks/results/sfa_h200/NOTES.md,
-v9): ``sieve bench sfa`` topk = 16 0.106 ms, 1.30x dense SDPA-cuDNN decode (0.137 ms), topk = 8 0.099 ms, 1.39x;
-probes of the same code 0.098-0.107 and 0.094-0.102 (run-to-run spread). Side by side in one session (calls A-B,
-topk = 16, each plan swept), the index-word kernel 0.100-0.102 against the previous commit's 0.113-0.114. The
-target, 1.5x at topk = 16, needs 0.092 ms. ncu of one step: this kernel runs 83.2 us and streams 3.84 TB/s (80% of
-the H200's peak, where dense decode streams); the query-table kernel (5.0 us), the merge (6.0 us) and the launches
-between take the rest.
+v10): ``sieve bench sfa`` topk = 16 0.096 ms, 1.45x dense SDPA-cuDNN decode (0.139 ms), topk = 8 0.089 ms, 1.56x
+(v9 with fixed chunks: 1.30x and 1.39x). The target, 1.5x at topk = 16, needs 0.0925 ms. In place (profiler,
+v10 call A, fixed chunks) the kernel works 86 us (3.67 TB/s; cuDNN's decode kernel 129 us, 4.16 TB/s), the query
+table and the merge add about 3 and 4 us, and the per-program timers show SMs finishing the same work 15 us apart,
+which the pool narrows.
 """
 from __future__ import annotations
 
