@@ -328,6 +328,40 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
 
 
+def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_first_refusal(monkeypatch):
+    """The pool's counters after a step, whatever order the programs ran in: each unit handed out adds UNIT_KEYS
+    once, and each program adds it once more when it is refused (the pool is empty) and stops, so every row
+    block's counter ends at (units + chunks) * UNIT_KEYS. Planned for one SM with the pool at short chunks: 900
+    keys in 3 chunks and a pool of 2 units, the last cut mid-tile; 2 KV heads, each with 8 query heads x 2 queries
+    = 16 rows in 2 row blocks of 8."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
+    monkeypatch.setattr(decode_module, "_POOL_FROM_TILES", 1)
+    monkeypatch.setattr(split_k, "_MAX_BLOCK_M", 8)  # 16 rows per KV head in 2 row blocks
+    seen = []
+
+    def table_and_counters(*args):
+        seen.append(sparse_query_table(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(decode_module, "sparse_query_table", table_and_counters)
+    batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 16, 2, 2, 900, 64, 8
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=decode_module._BLOCK_N,
+                        programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
+    unit_keys = decode_module._UNIT_TILES * decode_module._BLOCK_N
+    pool = k_len - work.chunks * work.chunk_keys
+    units = -(-pool // unit_keys)
+    assert work.row_blocks == 2 and work.chunks == 3 and units == 2 and pool % decode_module._BLOCK_N != 0
+    torch.manual_seed(0)
+    k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
+    q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
+    out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
+    assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
+    (_, counters), = seen
+    assert counters.tolist() == [(units + work.chunks) * unit_keys] * (batch * kv_heads * work.row_blocks)
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("head_dim, topk", [(16, 1), (64, 7), (128, 16), (128, 128)])
 @pytest.mark.parametrize("kv_heads, block_m", [(1, 4), (1, 16), (3, 8)], ids=["mqa-4-blocks", "mqa-one-block", "mha"])
