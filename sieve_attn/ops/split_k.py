@@ -2,8 +2,9 @@
 
 A decode step has few query rows and many keys, so the keys are cut into chunks: one program takes one (batch, KV
 head, chunk, row block), where a KV head's rows are its Hq // Hkv query heads times the Tq queries, so K and V are
-read once per KV head and never copied per query head. Each chunk leaves a float32 partial (output normalised over
-its keys, log-sum-exp); the partials merge by log-sum-exp. This module holds the plan (how many chunks and rows per
+read once per KV head and never copied per query head. Each program leaves a float32 partial (output normalised over
+the keys it took: its chunk's, and in a kernel with a pool the units it took from it; log-sum-exp); the partials merge
+by log-sum-exp, exactly for any partition of the keys. This module holds the plan (how many chunks and rows per
 program), the kernels' common prologue and epilogue, and the merge.
 """
 from __future__ import annotations
@@ -31,8 +32,9 @@ _MERGE_CHUNKS, _MERGE_D = 64, 32
 class Plan:
     """block_m rows per program (the KV head's rows rounded up to a power of two, at most 64: the kernels take their
     rows as the N of keys-major MMAs, which pad them to 8 themselves), row_blocks programs per (batch, KV head,
-    chunk), chunk_keys keys per chunk: chunk c holds keys [c * chunk_keys, (c + 1) * chunk_keys), and keys from
-    chunks * chunk_keys on are a kernel's pool (none unless planned with ``pooled``)."""
+    chunk), chunk_keys keys per chunk: chunk c holds keys [c * chunk_keys, (c + 1) * chunk_keys) (the last one cut
+    at Tk), and keys from chunks * chunk_keys on are a kernel's pool (none unless planned with ``pooled``; then
+    chunk_keys may be 0, every key pooled, where there are fewer tiles than about chunks / (1 - pooled))."""
 
     block_m: int
     row_blocks: int

@@ -303,12 +303,13 @@ def test_kernel_unpacks_indices_wider_than_a_byte(head_dim, topk):
 
 @pytest.mark.parametrize("several_tiles", [False, True], ids=["gpu-split", "one-sm-split"])
 def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, several_tiles):
-    """The CASES above give every chunk one tile of the kernel's keys (few keys against the H200's 132 SMs).
-    Planned for one SM (on the GPU too: the test replaces the device's SM count), 700 keys split into chunks of
-    several tiles and a pool of more than one unit past them, its last unit cut mid-tile, which the programs take
-    over as they finish their chunks (in the interpreter, which runs programs one after another, the first takes
-    it all), so the online softmax runs across tiles and units within a program; 2 query heads per KV head and 3
-    queries (the causal edge inside the last tile), D = 128, topk = 16, bfloat16."""
+    """The CASES above give every chunk one tile of the kernel's keys (few keys against the H200's 132 SMs), and
+    their chunks take no pool. Planned for one SM (on the GPU too: the test replaces the device's SM count), 700
+    keys split into chunks of several tiles and a pool of more than one unit past them, its last unit cut
+    mid-tile, which the programs take over as they finish their chunks (in the interpreter, which runs programs
+    one after another, the first takes it all), so the online softmax runs across tiles and units within a
+    program; 2 query heads per KV head and 3 queries (the causal edge inside the last tile), D = 128, topk = 16,
+    bfloat16. (gpu-split: the H200's 132 SMs, one tile per chunk, no pool.)"""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     if several_tiles:
@@ -317,7 +318,8 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 3, 700, 128, 16
     block_n = decode_module._BLOCK_N
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
-                        programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
+                        programs_per_sm=decode_module._programs_per_sm(head_dim),
+                        pooled=decode_module._POOLED if several_tiles else 0.0)
     if several_tiles:
         assert work.chunks >= 2 and work.chunk_keys >= 2 * block_n and k_len % block_n != 0
         assert k_len - work.chunks * work.chunk_keys > decode_module._UNIT_TILES * block_n
@@ -328,16 +330,11 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
 
 
-def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_first_refusal(monkeypatch):
-    """The pool's counters after a step, whatever order the programs ran in: each unit handed out adds UNIT_KEYS
-    once, and each program adds it once more when it is refused (the pool is empty) and stops, so every row
-    block's counter ends at (units + chunks) * UNIT_KEYS. Planned for one SM with the pool at short chunks: 900
-    keys in 3 chunks and a pool of 2 units, the last cut mid-tile; 2 KV heads, each with 8 query heads x 2 queries
-    = 16 rows in 2 row blocks of 8."""
-    if KERNEL_BLOCKER:
-        pytest.skip(KERNEL_BLOCKER)
+def _pooled_one_sm(monkeypatch):
+    """Plans for one SM with the pool at any chunk length, and records each (table, counters) the decode step's
+    query-table launch returns (so a test can read or set the counters)."""
     monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
-    monkeypatch.setattr(decode_module, "_POOL_FROM_TILES", 1)
+    monkeypatch.setattr(decode_module, "_POOL_FROM_TILES", 0)
     monkeypatch.setattr(split_k, "_MAX_BLOCK_M", 8)  # 16 rows per KV head in 2 row blocks
     seen = []
 
@@ -346,30 +343,96 @@ def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_fir
         return seen[-1]
 
     monkeypatch.setattr(decode_module, "sparse_query_table", table_and_counters)
-    batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 16, 2, 2, 900, 64, 8
+    return seen
+
+
+POOL_UNIT_KEYS = decode_module._UNIT_TILES * decode_module._BLOCK_N
+
+
+@pytest.mark.parametrize("k_len, chunks, units", [(1700, 2, 2), (20, 1, 1)],
+                         ids=["two-units", "all-pooled-under-a-tile"])
+def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_first_refusal(monkeypatch, k_len,
+                                                                                             chunks, units):
+    """The pool's counters after a step, whatever order the programs ran in: each unit handed out adds UNIT_KEYS
+    once, and each program adds it once more when it is refused (the pool is empty) and stops, so every row
+    block's counter ends at (units + chunks) * UNIT_KEYS. Planned for one SM with the pool at short chunks: 1700
+    keys in 2 chunks and a pool of 2 units, the last cut mid-tile; and 20 keys, less than a tile, all in the pool
+    (chunks of 0 keys). Batch 2, 2 KV heads, each with 8 query heads x 2 queries = 16 rows in 2 row blocks of 8:
+    8 counters, each indexed by batch, KV head and row block."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    seen = _pooled_one_sm(monkeypatch)
+    batch, q_heads, kv_heads, q_len, head_dim, topk = 2, 16, 2, 2, 64, 8
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=decode_module._BLOCK_N,
                         programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
-    unit_keys = decode_module._UNIT_TILES * decode_module._BLOCK_N
     pool = k_len - work.chunks * work.chunk_keys
-    units = -(-pool // unit_keys)
-    assert work.row_blocks == 2 and work.chunks == 3 and units == 2 and pool % decode_module._BLOCK_N != 0
+    assert (work.row_blocks, work.chunks, -(-pool // POOL_UNIT_KEYS)) == (2, chunks, units)
+    assert pool % decode_module._BLOCK_N != 0  # the last unit cut mid-tile
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
     q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
     out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
     (_, counters), = seen
-    assert counters.tolist() == [(units + work.chunks) * unit_keys] * (batch * kv_heads * work.row_blocks)
+    assert counters.tolist() == [(units + chunks) * POOL_UNIT_KEYS] * (batch * kv_heads * work.row_blocks)
+
+
+def test_a_unit_another_program_took_is_not_taken_again(monkeypatch):
+    """Where a unit of the pool is handed out, only the program that got it reads its keys: with the counters set
+    to one unit after the query-table launch, as if another program had taken the pool's first unit (the
+    interpreter runs programs one after another, so otherwise the first takes all), the step's output is SFA over
+    every key but that unit's. One query (it attends every key, so the keys left are a plain set), 1700 keys in 5
+    chunks and a pool of 3 units."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    seen = _pooled_one_sm(monkeypatch)
+    original = decode_module.sparse_query_table
+
+    def first_unit_taken(*args):
+        table, counters = original(*args)
+        counters.fill_(POOL_UNIT_KEYS)
+        return table, counters
+
+    monkeypatch.setattr(decode_module, "sparse_query_table", first_unit_taken)
+    batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 1, 1700, 64, 8
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=decode_module._BLOCK_N,
+                        programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
+    taken = slice(work.chunks * work.chunk_keys, work.chunks * work.chunk_keys + POOL_UNIT_KEYS)
+    assert taken.stop < k_len and not seen
+    torch.manual_seed(0)
+    k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
+    q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
+    out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
+    kept = torch.cat([torch.arange(taken.start), torch.arange(taken.stop, k_len)]).to(DEVICE)
+    assert_sfa_of_the_dense_keys(out, lse, q, k[:, :, kept], v[:, :, kept], topk)
+
+
+def test_pooled_plan_leaves_at_least_its_fraction_to_the_pool_in_whole_tiles():
+    """split_k.plan(pooled=p): the same programs as the fixed plan, chunks of whole tiles, at least p of the tiles
+    left past them (never none); pooled=0 is the fixed plan, whose chunks cover every key. And the decode step
+    takes the pool only where the fixed plan's chunks hold _POOL_FROM_TILES tiles: at the H200's plan (GQA 32/8,
+    one query, D = 128) 128K does, 8K, 32K and 64K do not."""
+    device, block_n = torch.device(DEVICE), decode_module._BLOCK_N
+    for k_len in (20, 700, 8192, 32768, 131072, 131072 + 5):
+        fixed = split_k.plan(1, 32, 8, 1, k_len, device, block_n=block_n, programs_per_sm=8)
+        pooled = split_k.plan(1, 32, 8, 1, k_len, device, block_n=block_n, programs_per_sm=8, pooled=0.1)
+        tiles = -(-k_len // block_n)
+        assert fixed.chunks * fixed.chunk_keys >= k_len > (fixed.chunks - 1) * fixed.chunk_keys
+        assert pooled.chunk_keys % block_n == 0 and pooled.block_m == fixed.block_m
+        assert pooled.chunks == min(tiles, 132) and tiles - pooled.chunks * pooled.chunk_keys // block_n >= 0.1 * tiles
+        takes_pool = fixed.chunk_keys >= decode_module._POOL_FROM_TILES * block_n
+        assert takes_pool == (k_len >= 131072)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("head_dim, topk", [(16, 1), (64, 7), (128, 16), (128, 128)])
 @pytest.mark.parametrize("kv_heads, block_m", [(1, 4), (1, 16), (3, 8)], ids=["mqa-4-blocks", "mqa-one-block", "mha"])
 def test_kernel_sparsifies_queries_like_codes_sparsify_ties_included(dtype, head_dim, topk, kv_heads, block_m):
-    """The decode kernel's query table (one launch) holds codes.sparsify exactly, each query row in its column of
-    its row block (and the launch zeroes the decode kernel's pool counters, one per row block), on strided queries whose magnitudes repeat (values from {0, +-0.5, +-1, +-2}, -0.0 included), so
-    ties decide the kept coordinates: the lower index wins. 3 query heads x 5 queries: 15 rows per KV head over 4
-    blocks of 4 (one padding column) or one of 16 under MQA, 5 rows in a block of 8 under MHA."""
+    """The decode kernel's query table (one launch) holds codes.sparsify exactly, each query row in its column of its
+    row block (and the launch zeroes the decode kernel's pool counters, one per row block), on strided queries whose
+    magnitudes repeat (values from {0, +-0.5, +-1, +-2}, -0.0 included), so ties decide the kept coordinates: the
+    lower index wins. 3 query heads x 5 queries: 15 rows per KV head over 4 blocks of 4 (one padding column) or one of
+    16 under MQA, 5 rows in a block of 8 under MHA."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     torch.manual_seed(0)

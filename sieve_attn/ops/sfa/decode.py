@@ -10,16 +10,16 @@ keys the cache was built from. Two backends compute it:
 - ``triton``: flash-decoding split-K (:mod:`sieve_attn.ops.split_k`), bound by the bytes of the cache. One launch
   sparsifies the queries into a table (:func:`sparse_query_table`) that puts the G * Tq query rows of a KV head
   (G = Hq / Hkv) side by side under each coordinate; then one program per (batch, KV head, chunk of keys) takes all
-  of them, so every code and every V row is read from memory once; the last tenth of the keys is a pool that the
-  programs take over in small units as they finish their chunks (:func:`_sfa_decode_chunk`). The score tile is [keys, rows], one key per
-  thread: the thread reads its key's packed indices as the 4-byte words that hold them (:func:`_index_word`) and
-  its values as 8-byte words, and per code t < topk one vector load fetches the rows' table entries at index t (8
-  bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1): score = scale * sum_t q~[idx_t] * val_t, the dot of
-  the sparse query with the densified key, which is never built. The tile stays keys-major through the online
-  softmax (base 2, denominators in per-slot partial sums) and P @ V, issued as V^T @ P^T on tensor cores
-  (:func:`..triton_common.softmax_step`); the V tile comes through the TMA copy engine where the GPU has one. The
-  chunks' partials merge by log-sum-exp (:func:`..split_k.merge`); on GPUs with programmatic dependent launch the
-  decode and merge kernels are scheduled while the kernel before them drains.
+  of them, so every code and every V row is read from memory once; on long caches the keys past the chunks (at
+  least a tenth) are a pool that the programs take over in small units as they finish their chunks
+  (:func:`_sfa_decode_chunk`). The score tile is [keys, rows], one key per thread: the thread reads its key's packed
+  indices as the 4-byte words that hold them (:func:`_index_word`) and its values as 8-byte words, and per code t <
+  topk one vector load fetches the rows' table entries at index t (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays
+  in L1): score = scale * sum_t q~[idx_t] * val_t, the dot of the sparse query with the densified key, which is never
+  built. The tile stays keys-major through the online softmax (base 2, denominators in per-slot partial sums) and P @
+  V, issued as V^T @ P^T on tensor cores (:func:`..triton_common.softmax_step`); the V tile comes through the TMA copy
+  engine where the GPU has one. The chunks' partials merge by log-sum-exp (:func:`..split_k.merge`); on GPUs with
+  programmatic dependent launch the decode and merge kernels are scheduled while the kernel before them drains.
 
 Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :func:`.cache.index_bits` (D) = 7):
 
@@ -72,10 +72,13 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # topk = 8 from 0.0940 to 0.0897 (15-30% pools: 0.0984-0.0989 and 0.0894-0.0901; 8-tile units slower, 2-tile
 # units about equal); at D = 64 (10 per SM) topk = 8 0.0650 -> 0.0602, topk = 16 0.0730 -> 0.0732 (20-30%:
 # 0.0755-0.0765, slower).
-# Short chunks keep no pool: at 8K and 32K cached tokens (1-8 tiles per chunk) most of the keys went through the
-# pool, each unit restarting the software pipeline, and the step got slower (v10 call E, D = 128, topk = 8 / 16:
-# 8K 0.96x / 0.89x dense against 1.08x / 1.06x with fixed chunks in call A, 32K 1.28x / 1.18x against 1.30x /
-# 1.22x); 128K has 32 tiles per chunk. 64K (16) is not measured with the pool and keeps fixed chunks.
+# The chunks are rounded down to whole tiles, so the pool is larger than _POOLED: 13% at 128K and D = 128 (27 of
+# the fixed plan's 32 tiles per chunk kept), 23% at 32K, 48% at 8K. Short chunks keep no pool: at 8K and 32K
+# (fixed plans of 2 and 8 tiles per chunk) the step got slower with it, each unit restarting the software
+# pipeline (v10 call E, D = 128, topk = 8 / 16: 8K 0.96x / 0.89x dense against 1.08x / 1.06x with fixed chunks in
+# call A, 32K 1.28x / 1.18x against 1.30x / 1.22x). The test is on the fixed plan's chunk length, which batch and
+# heads shorten as well as the cache: at the H200's plan 128K (32 tiles) takes the pool, 64K (16, not measured
+# with it) does not.
 _POOLED, _UNIT_TILES, _POOL_FROM_TILES = 0.1, 4, 24
 # Shared memory a pipelined launch may ask for (an H200 block gets 227 KiB; the dots' conversions need some).
 _SHARED_BUDGET = 160 * 1024
@@ -265,7 +268,8 @@ def _sfa_decode_chunk(
     units of UNIT_KEYS (a multiple of BLOCK_N) of the pool past every chunk's own, [chunks * chunk_keys, Tk), one at
     a time, each to the program of its (batch, KV head, row block) that asks first: COUNTERS (int32, one per row
     block, [B * Hkv * row blocks], 0 when the kernel starts: :func:`_sparse_query_table` sets them) counts the
-    pool's keys given out. Why: the programs of a step all run at once (one wave), and programs on some SMs run
+    pool's keys given out, and UNIT_KEYS more for each program's last, refused request: it ends at (units +
+    chunks) * UNIT_KEYS. Why: the programs of a step all run at once (one wave), and programs on some SMs run
     faster than on others (v10: on SMs holding 7 programs, the same work ended anywhere from 77 to 92 us), so with
     fixed chunks the kernel waits for the slowest SM; the pool lets the fast ones take over the rest.
 
@@ -299,7 +303,7 @@ def _sfa_decode_chunk(
         unit = pool_start + tl.atomic_add(counter, UNIT_KEYS, sem="relaxed")
 
     allow_next_kernel()  # the merge
-    # A row may have no key in this chunk (a query before the chunk's keys): output 0 and log-sum-exp -inf.
+    # A row may have no key among those this program took (a query before them): output 0 and log-sum-exp -inf.
     out, lse = softmax_finish(acc_t, l_t, m_i)
     store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DIM)
 
@@ -323,7 +327,9 @@ def sfa_decode(q: torch.Tensor, cache: SFAKeyCache, *, scale: float | None = Non
 
     Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32, natural log), equal to
     ``sfa_attention_reference(q, K, V, topk=cache.topk, causal=True, scale=scale)`` with K the dense keys the cache
-    was built from and V its values.
+    was built from and V its values. The triton backend on long caches lets its programs share out part of the
+    keys at run time (:func:`_sfa_decode_chunk`), so two calls may differ by float32 rounding (an ulp of a 16-bit
+    output at most), CUDA-graph replays too; the reference backend is deterministic.
     """
     _check_decode_call(q, cache)
     scale = resolve_scale(scale, q.shape[-1])
