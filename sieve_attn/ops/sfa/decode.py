@@ -33,12 +33,12 @@ Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :fu
   token and KV head (v8: 767; byte-wide index loads, shuffled denominators and exponentials with a subnormal
   fix-up; NOTES.md, v9).
 
-MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays, gated; benchmarks/results/sfa_h200/NOTES.md,
-v10): ``sieve bench sfa`` topk = 16 0.096 ms, 1.45x dense SDPA-cuDNN decode (0.139 ms), topk = 8 0.089 ms, 1.56x
-(v9 with fixed chunks: 1.30x and 1.39x). The target, 1.5x at topk = 16, needs 0.0925 ms. In place (profiler,
-v10 call A, fixed chunks) the kernel works 86 us (3.67 TB/s; cuDNN's decode kernel 129 us, 4.16 TB/s), the query
-table and the merge add about 3 and 4 us, and the per-program timers show SMs finishing the same work 15 us apart,
-which the pool narrows.
+MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays, gated; benchmarks/results/sfa_h200/NOTES.md, v11,
+the merge in one step): ``sieve bench sfa`` topk = 16 0.0947 ms, 1.46x dense SDPA-cuDNN decode (0.139 ms), topk = 8
+0.0873 ms, 1.59x (v10: 1.45x and 1.56x; v9 with fixed chunks: 1.30x and 1.39x). The target, 1.5x at topk = 16, needs
+0.0925 ms. In place (profiler, v10 call A, fixed chunks) the kernel works 86 us (3.67 TB/s; cuDNN's decode kernel
+129 us, 4.16 TB/s), the query table and the merge add about 3 and 4 us, and the per-program timers show SMs
+finishing the same work 15 us apart, which the pool narrows.
 """
 from __future__ import annotations
 
