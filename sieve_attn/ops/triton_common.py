@@ -86,6 +86,15 @@ def allow_next_kernel():
 
 
 @jit
+def prefetch_l2(ptrs):
+    """Asks L2 to fetch the lines that ``ptrs`` (a tensor of pointers, all in bounds) point into, ahead of the
+    loads that will read them: a hint, no value changes. A no-op in the interpreter."""
+    if _PTX:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@jit
 def exp2(x):
     """2 ** x, float32. On GPUs one ex2.approx.ftz: results below 2 ** -126 flush to 0 (softmax weights there are
     far below any 16-bit or float32 sum's resolution), where tl.exp2 and tl.exp add a subnormal fix-up of three

@@ -34,11 +34,12 @@ Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :fu
   fix-up; NOTES.md, v9).
 
 MEASURED (H200, 128K cached tokens, GQA 32/8, CUDA-graph replays, gated; benchmarks/results/sfa_h200/NOTES.md, v11,
-the merge in one step): ``sieve bench sfa`` topk = 16 0.0947 ms, 1.46x dense SDPA-cuDNN decode (0.139 ms), topk = 8
-0.0873 ms, 1.59x (v10: 1.45x and 1.56x; v9 with fixed chunks: 1.30x and 1.39x). The target, 1.5x at topk = 16, needs
-0.0925 ms. In place (profiler, v10 call A, fixed chunks) the kernel works 86 us (3.67 TB/s; cuDNN's decode kernel
-129 us, 4.16 TB/s), the query table and the merge add about 3 and 4 us, and the per-program timers show SMs
-finishing the same work 15 us apart, which the pool narrows.
+the merge in one step, the L2 prefetch): ``sieve bench sfa`` topk = 16 0.0926 ms, 1.47x dense SDPA-cuDNN decode
+(0.136 ms), topk = 8 0.0907 ms, 1.50x (merge alone 1.46x / 1.59x; v10: 1.45x and 1.56x; v9 with fixed chunks: 1.30x
+and 1.39x). The target, 1.5x at topk = 16, needs 0.0907 ms against that run's dense. In place (profiler, v10 call A,
+fixed chunks) the kernel works 86 us (3.67 TB/s; cuDNN's decode kernel 129 us, 4.16 TB/s), the query table and the
+merge add about 3 and 4 us, and the per-program timers show SMs finishing the same work 15 us apart, which the pool
+narrows.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ from ...config import SFA_DECODE_BACKENDS
 from .. import split_k
 from ..split_k import program_rows, store_rows
 from ..triton_common import (LOG2E, allow_next_kernel, choose_backend, hopper_or_newer, is_interpreted, jit,
-                             kernel_blocker, on_device_of, softmax_finish, softmax_start, softmax_step, triton,
+                             kernel_blocker, on_device_of, prefetch_l2, softmax_finish, softmax_start, softmax_step,
+                             triton,
                              wait_for_prior_kernel)
 from .cache import SFAKeyCache
 from .codes import densify, sparsify
@@ -80,6 +82,11 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # heads shorten as well as the cache: at the H200's plan 128K (32 tiles) takes the pool, 64K (16, not measured
 # with it) does not.
 _POOLED, _UNIT_TILES, _POOL_FROM_TILES = 0.1, 4, 24
+# Tiles of its chunk each program has L2 prefetch while it waits for the query table (DRAM is idle then). v11
+# call C (128K, D = 128, gated, 5 interleaved rounds): 0 / 1 / 2 / 4 / 8 tiles, topk = 16 0.0940 / 0.0925 / 0.0924
+# / 0.0934 / 0.0970 ms, topk = 8 0.0869 / 0.0851 / 0.0851 / 0.0853 / 0.0899; 64K topk = 16 0.0595 / 0.0580 /
+# 0.0577 / 0.0583 / 0.0630 (more than the wait covers competes with the chunk's own loads).
+_PREFETCH_TILES = 2
 # Shared memory a pipelined launch may ask for (an H200 block gets 227 KiB; the dots' conversions need some).
 _SHARED_BUDGET = 160 * 1024
 # Elements of one densified key block (and of one score block) in the reference: 16 MiB in float32.
@@ -252,7 +259,7 @@ def _sfa_decode_chunk(
     kv_heads, group, q_len, k_len, scale, chunk_keys, num_chunks,
     HEAD_DIM: tl.constexpr, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, NBYTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_WORD: tl.constexpr, VALUE_DTYPE: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, V_TMA: tl.constexpr, UNIT_KEYS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, V_TMA: tl.constexpr, UNIT_KEYS: tl.constexpr, PREFETCH_TILES: tl.constexpr,
 ):
     """Grid (B * Hkv, chunks, row blocks). Q: the queries [B, Hq, Tq, D] (only their layout is read: the rows and
     positions); TABLE: their sparse query table [B, Hkv, row blocks, D, BLOCK_M] (:func:`_sparse_query_table`);
@@ -276,7 +283,6 @@ def _sfa_decode_chunk(
     Writes each row's output over the keys the program took (normalised over them) and its log-sum-exp to O [B, Hq,
     Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (float32, contiguous). The split depends on the timing, the result
     does not beyond float32 rounding: the merge (:func:`..split_k.merge`) is exact for any partition."""
-    wait_for_prior_kernel()  # the query table (a programmatic dependent launch where the GPU can)
     # The scores read q through the table: program_rows' dense q tile goes unused, and the compiler drops its load.
     b, kv_head, r, row_ok, q_pos, d, _, _, start, stop = program_rows(
         Q, stride_qb, stride_qh, stride_qt, stride_qd, kv_heads, group, q_len, k_len, chunk_keys, BLOCK_M, HEAD_DIM)
@@ -285,6 +291,14 @@ def _sfa_decode_chunk(
     idx_head = (IDX + b * stride_ib + kv_head * stride_ih).to(tl.pointer_type(tl.uint32), bitcast=True)
     val_head = VAL + b * stride_kb + kv_head * stride_kh
     v_head = V + b * stride_vb + kv_head * stride_vh
+    if PREFETCH_TILES > 0:
+        # DRAM is idle while the query table is built: have L2 fetch this program's first tiles meanwhile.
+        LINES: tl.constexpr = (HEAD_DIM + 31) // 32  # 32 elements: 64 bytes at 16 bits, within one 128-byte line
+        n = tl.minimum(start + tl.arange(0, PREFETCH_TILES * BLOCK_N), k_len - 1)
+        prefetch_l2(v_head + n[:, None] * stride_vt + tl.arange(0, LINES)[None, :] * (32 * stride_vd))
+        prefetch_l2(val_head + n * stride_kt)
+        prefetch_l2(idx_head + n * NBYTES // 4)
+    wait_for_prior_kernel()  # the query table (a programmatic dependent launch where the GPU can)
 
     acc_t, l_t, m_i = softmax_start(BLOCK_M, HEAD_DIM, BLOCK_N)
     acc_t, l_t, m_i = _key_range(acc_t, l_t, m_i, start, stop, table, idx_head, val_head, V_DESC, v_head, b, kv_head,
@@ -445,7 +459,7 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
             BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
             VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, V_TMA=v_tiles is not None,
-            UNIT_KEYS=_UNIT_TILES * _BLOCK_N,
+            UNIT_KEYS=_UNIT_TILES * _BLOCK_N, PREFETCH_TILES=_PREFETCH_TILES,
             num_warps=_NUM_WARPS, launch_pdl=hopper_or_newer(q.device),
             num_stages=_pipeline_stages(cache.topk, work.block_m, head_dim, q.element_size()))
         split_k.merge(part_out, part_lse, out, lse)

@@ -1,7 +1,7 @@
 """Device probe (v11, session 27; not a library file): knobs of the SFA decode step that need no code change,
-side by side. A plan is POOLED:UNIT:STAGES:PER_SM:MERGE_CHUNKS:MERGE_D:POOL_FROM (decode._POOLED, _UNIT_TILES,
-_NUM_STAGES, _programs_per_sm, split_k._MERGE_CHUNKS, _MERGE_D, decode._POOL_FROM_TILES); "base" is the committed
-one. Each plan is gated like the tests (error against float64 at most twice the error of the reference run in
+side by side. A plan is POOLED:UNIT:STAGES:PER_SM:MERGE_CHUNKS:MERGE_D:POOL_FROM:PREFETCH (decode._POOLED,
+_UNIT_TILES, _NUM_STAGES, _programs_per_sm, split_k._MERGE_CHUNKS, _MERGE_D, decode._POOL_FROM_TILES,
+_PREFETCH_TILES; calls A and B ran before the last existed, with 7 fields); "base" is the committed one. Each plan is gated like the tests (error against float64 at most twice the error of the reference run in
 bfloat16, plus 1e-6, over 3 calls: the pool's split varies; FAIL prints no time), captured as a CUDA graph; then
 all are timed (cold L2, sieve_attn.bench.timing, 50 reps) once per round in PROBE_ROUNDS (5) interleaved rounds
 beside dense SDPA-cuDNN decode, median of the rounds reported. GQA 32/8, bf16, batch 1, D = 128, at each length
@@ -23,7 +23,7 @@ from sieve_attn.ops.sfa.cache import SFAKeyCache
 from sieve_attn.ops.sfa.reference import sfa_attention_reference
 
 BASE = (f"{decode._POOLED}:{decode._UNIT_TILES}:{decode._NUM_STAGES}:{decode._programs_per_sm(128)}:"
-        f"{split_k._MERGE_CHUNKS}:{split_k._MERGE_D}:{decode._POOL_FROM_TILES}")
+        f"{split_k._MERGE_CHUNKS}:{split_k._MERGE_D}:{decode._POOL_FROM_TILES}:{decode._PREFETCH_TILES}")
 out_dir, plans = sys.argv[1], list(dict.fromkeys(p if p != "base" else BASE for p in sys.argv[2].split(",")))
 dev = torch.device("cuda")
 HQ, HKV, D = 32, 8, 128
@@ -37,7 +37,8 @@ def err(a, b):
 
 
 def apply(plan):
-    pooled, unit, stages, per_sm, merge_chunks, merge_d, pool_from = plan.split(":")
+    pooled, unit, stages, per_sm, merge_chunks, merge_d, pool_from, prefetch = plan.split(":")
+    decode._PREFETCH_TILES = int(prefetch)
     decode._POOLED, decode._UNIT_TILES, decode._NUM_STAGES = float(pooled), int(unit), int(stages)
     decode._programs_per_sm = lambda head_dim, p=int(per_sm): p
     split_k._MERGE_CHUNKS, split_k._MERGE_D = int(merge_chunks), int(merge_d)
