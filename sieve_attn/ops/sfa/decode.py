@@ -86,6 +86,8 @@ _POOLED, _UNIT_TILES, _POOL_FROM_TILES = 0.1, 4, 24
 # call C (128K, D = 128, gated, 5 interleaved rounds): 0 / 1 / 2 / 4 / 8 tiles, topk = 16 0.0940 / 0.0925 / 0.0924
 # / 0.0934 / 0.0970 ms, topk = 8 0.0869 / 0.0851 / 0.0851 / 0.0853 / 0.0899; 64K topk = 16 0.0595 / 0.0580 /
 # 0.0577 / 0.0583 / 0.0630 (more than the wait covers competes with the chunk's own loads).
+# A power of two (the tiles' keys are one arange). v12 (session 28): prefetching inside the key loop as well, a
+# fixed number of tiles ahead, or each pool unit's keys as it is taken, made the step slower (NOTES.md, v12).
 _PREFETCH_TILES = 2
 # Shared memory a pipelined launch may ask for (an H200 block gets 227 KiB; the dots' conversions need some).
 _SHARED_BUDGET = 160 * 1024
@@ -293,9 +295,10 @@ def _sfa_decode_chunk(
     v_head = V + b * stride_vb + kv_head * stride_vh
     if PREFETCH_TILES > 0:
         # DRAM is idle while the query table is built: have L2 fetch this program's first tiles meanwhile.
-        LINES: tl.constexpr = (HEAD_DIM + 31) // 32  # 32 elements: 64 bytes at 16 bits, within one 128-byte line
+        PER_LINE: tl.constexpr = 1024 // V.dtype.element_ty.primitive_bitwidth  # elements in a 128-byte line
+        LINES: tl.constexpr = (HEAD_DIM + PER_LINE - 1) // PER_LINE
         n = tl.minimum(start + tl.arange(0, PREFETCH_TILES * BLOCK_N), k_len - 1)
-        prefetch_l2(v_head + n[:, None] * stride_vt + tl.arange(0, LINES)[None, :] * (32 * stride_vd))
+        prefetch_l2(v_head + n[:, None] * stride_vt + tl.arange(0, LINES)[None, :] * (PER_LINE * stride_vd))
         prefetch_l2(val_head + n * stride_kt)
         prefetch_l2(idx_head + n * NBYTES // 4)
     wait_for_prior_kernel()  # the query table (a programmatic dependent launch where the GPU can)
