@@ -1,16 +1,21 @@
-"""Side-by-side timing of SFA decode variants on one GPU (a device probe for tuning, not a test, not the bench).
+"""Side-by-side timing of decode variants (SFA's or Focus's) on one GPU (a device probe for tuning, not a test, not
+the bench).
 
-A variant is ``MODULE[:NAME=VALUE;...]``: the ``sfa_decode_triton`` of ``sieve_attn.ops.sfa.MODULE`` (``decode``,
-the library's, or a copy of an earlier version placed beside it) with module-level knobs set first (``_POOLED``,
-``_PREFETCH_TILES``, ...; a knob of ``split_k`` is named ``split_k.NAME``). Each variant is gated like the tests
-(error against float64 at most twice the error of the reference run in the low precision, plus 1e-6, over 3
-calls, since the pool's split varies; a FAIL prints no time) and captured as a CUDA graph with its knobs; then all
+A variant is ``MODULE[:NAME=VALUE;...]``: the decode step of ``sieve_attn.ops.KERNEL.MODULE`` (``decode``, the
+library's, or a copy of an earlier version placed beside it; ``sfa_decode_triton`` for ``--kernel sfa``,
+``focus_decode`` with window 128 for ``--kernel focus``) with module-level knobs set first (``_POOLED``,
+``_PREFETCH_TILES``, ``_PREFETCH_KEYS``, ...; a knob of ``split_k`` is named ``split_k.NAME``). SFA runs each
+``--topk`` over its compressed key cache; Focus each ``--topk`` (memberships per token) over ``--groups`` random
+groups of balanced sizes (the bench's "combinations" spread). Each variant is gated like the tests (error against
+float64 at most twice the error of the reference run in the low precision, plus 1e-6, over 3 calls, since SFA's
+pool split varies; a FAIL prints no time) and captured as a CUDA graph with its knobs; then all
 are timed (cold L2, :func:`sieve_attn.bench.timing.measure`) once per round in ``--rounds`` interleaved rounds beside
 dense SDPA-cuDNN decode over the same dense cache, and the median of the rounds is reported. Rounds interleave
 because one build's time moves from process to process by more than the differences probed.
 
-GQA 32/8 by default, batch 1, one query. Example (the step against an earlier copy, and two prefetch depths):
+GQA 32/8 by default, batch 1, one query. Examples (the step against an earlier copy, and two prefetch depths):
     python benchmarks/decode_probe.py --out OUT --variants decode,_decode_v11,decode:_PREFETCH_TILES=4
+    python benchmarks/decode_probe.py --kernel focus --topk 1,2 --out OUT --variants decode:_PREFETCH_KEYS=0,decode
 Writes OUT/decode_probe.json (every gate and timing row, the device and torch version).
 """
 from __future__ import annotations
@@ -25,16 +30,21 @@ import torch
 
 from sieve_attn import skip_nan_checks
 from sieve_attn.bench.common import head_pair, length_list, positive_int_list, sdpa
+from sieve_attn.bench.focus import balanced_groups
 from sieve_attn.bench.timing import graphed, measure
 from sieve_attn.ops import split_k
+from sieve_attn.ops.focus.reference import focus_attention_reference, group_bits
 from sieve_attn.ops.sfa.cache import SFAKeyCache
 from sieve_attn.ops.sfa.reference import sfa_attention_reference
 
+FOCUS_WINDOW = 128
 
-def parse_variant(text: str) -> tuple:
-    """``MODULE[:NAME=VALUE;...]`` -> (module, [(owner, name, value)]), values as int, else float."""
+
+def parse_variant(kernel: str, text: str) -> tuple:
+    """``MODULE[:NAME=VALUE;...]`` -> (module of sieve_attn.ops.KERNEL, [(owner, name, value)]), values as int,
+    else float."""
     name, _, knobs = text.partition(":")
-    module = importlib.import_module(f"sieve_attn.ops.sfa.{name}")
+    module = importlib.import_module(f"sieve_attn.ops.{kernel}.{name}")
     settings = []
     for knob in filter(None, knobs.split(";")):
         key, _, value = knob.partition("=")
@@ -64,14 +74,38 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def gate_and_capture(variant: str, q, cache, exact, low_error: float, scale: float):
+def sfa_cases(q, k, v, topks, scale: float):
+    """(top-k, step(module) -> out, float64 reference, low-precision reference's error) per SFA top-k."""
+    for topk in topks:
+        cache = SFAKeyCache(1, k.shape[1], k.shape[3], topk=topk, dtype=k.dtype, device=k.device,
+                            capacity=k.shape[2])
+        cache.append(k, v)
+        exact = sfa_attention_reference(q.double(), k.double(), v.double(), topk=topk, causal=True, scale=scale)[0]
+        low_error = max_error(sfa_attention_reference(q, k, v, topk=topk, causal=True, scale=scale)[0], exact)
+        yield topk, lambda module: module.sfa_decode_triton(q, cache, scale=scale)[0], exact, low_error
+
+
+def focus_cases(q, k, v, top_ks, num_groups: int, scale: float):
+    """As :func:`sfa_cases`, per Focus top-k over ``num_groups`` balanced random groups."""
+    for top_k in top_ks:
+        groups = balanced_groups(k.shape[2], num_groups, top_k).to(k.device)
+        bits = group_bits(groups)
+        reference = lambda *x: focus_attention_reference(  # noqa: E731
+            *x, groups, window=FOCUS_WINDOW, causal=True, scale=scale)[0]
+        exact = reference(q.double(), k.double(), v.double())
+        low_error = max_error(reference(q, k, v), exact)
+        yield top_k, lambda module: module.focus_decode(q, k, v, bits, window=FOCUS_WINDOW, scale=scale)[0], \
+            exact, low_error
+
+
+def gate_and_capture(kernel: str, variant: str, step, exact, low_error: float):
     """(row, graph replay or None) of one variant: its gate, and its step captured with its knobs set."""
-    module, settings = parse_variant(variant)
+    module, settings = parse_variant(kernel, variant)
     before = apply(settings)
     row = dict(variant=variant)
     try:
         with skip_nan_checks():
-            run = lambda: module.sfa_decode_triton(q, cache, scale=scale)[0]  # noqa: E731
+            run = lambda: step(module)  # noqa: E731
             errors = [max_error(run(), exact) for _ in range(3)]
             row.update(err_ratio=max(errors) / low_error, ok=max(errors) <= 2 * low_error + 1e-6)
             replay = graphed(run) if row["ok"] else None
@@ -94,10 +128,13 @@ def interleaved(replays: dict, device: torch.device, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", choices=("sfa", "focus"), default="sfa")
     parser.add_argument("--out", type=Path, required=True, help="folder for decode_probe.json")
     parser.add_argument("--variants", required=True, help="comma-separated MODULE[:NAME=VALUE;...] (';' between knobs)")
     parser.add_argument("--lengths", type=length_list, default=(131072,), help="cached tokens, e.g. 64K,128K")
-    parser.add_argument("--topk", type=positive_int_list, default=(16, 8))
+    parser.add_argument("--topk", type=positive_int_list, default=(16, 8),
+                        help="SFA's top-k, or Focus's memberships per token (default: 16,8)")
+    parser.add_argument("--groups", type=int, default=8, help="Focus's group count K (default: 8)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--heads", type=head_pair, default=(32, 8), help="query and KV heads, e.g. 32/8")
     parser.add_argument("--rounds", type=int, default=5)
@@ -111,16 +148,12 @@ def main() -> None:
         q = torch.randn(1, q_heads, 1, head_dim, device=device, dtype=torch.bfloat16)
         k, v = (torch.randn(1, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
         replays = {"dense": graphed(lambda: sdpa(q, k, v, "cudnn", causal=False))}
-        for topk in args.topk:
-            cache = SFAKeyCache(1, kv_heads, head_dim, topk=topk, dtype=torch.bfloat16, device=device,
-                                capacity=length)
-            cache.append(k, v)
-            exact = sfa_attention_reference(q.double(), k.double(), v.double(), topk=topk, causal=True,
-                                            scale=scale)[0]
-            low_error = max_error(sfa_attention_reference(q, k, v, topk=topk, causal=True, scale=scale)[0], exact)
+        cases = (sfa_cases(q, k, v, args.topk, scale) if args.kernel == "sfa" else
+                 focus_cases(q, k, v, args.topk, args.groups, scale))
+        for topk, step, exact, low_error in cases:
             timed = {"dense": replays["dense"]}
             for variant in variants:
-                row, replay = gate_and_capture(variant, q, cache, exact, low_error, scale)
+                row, replay = gate_and_capture(args.kernel, variant, step, exact, low_error)
                 rows.append(dict(row, T=length, topk=topk))
                 print(("" if row.get("ok") else "FAIL ") + json.dumps(rows[-1]), flush=True)
                 if replay is not None:
@@ -132,10 +165,10 @@ def main() -> None:
                 rows.append(dict(variant=name, T=length, topk=topk, D=head_dim, rounds=samples, ms=ms,
                                  x_dense=dense_ms / ms))
                 print(json.dumps(rows[-1]), flush=True)
-            del cache
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_probe.json").write_text(json.dumps(
-        dict(device=torch.cuda.get_device_name(), torch=torch.__version__, variants=variants, rows=rows), indent=1))
+        dict(device=torch.cuda.get_device_name(), torch=torch.__version__, kernel=args.kernel,
+        groups=args.groups if args.kernel == "focus" else None, variants=variants, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

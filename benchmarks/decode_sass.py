@@ -1,11 +1,13 @@
-"""The SFA decode kernel compiled for an H200 (sm_90) without a GPU: its shared memory, registers and the
-instructions of each loop of its SASS, to count before a device call (METHOD.md: count, predict, then measure).
+"""A decode kernel (SFA's or Focus's) compiled for an H200 (sm_90) without a GPU: its shared memory, registers and
+the instructions of each loop of its SASS, to count before a device call (METHOD.md: count, predict, then measure).
 
-Compiles ``_sfa_decode_chunk`` of ``sieve_attn.ops.sfa.MODULE`` with the specialisation of the launch at 128K cached
-tokens, GQA 32/8, D = 128, bfloat16, one query (integer arguments equal to 1 become constants, multiples of 16 get
-divisibility 16, as Triton's launcher does), with its 5 pipeline stages and one warp. Use the Triton of the device
-image for figures that hold there: ``pip install --no-deps --target /tmp/triton36 triton==3.6.0``, then
-    PYTHONPATH=/tmp/triton36:. python benchmarks/decode_sass.py --topk 16
+Compiles ``_sfa_decode_chunk`` of ``sieve_attn.ops.sfa.MODULE`` (``--kernel sfa``, 5 pipeline stages, one warp) or
+``_focus_decode_chunk`` of ``sieve_attn.ops.focus.MODULE`` (``--kernel focus``, the stages and warps its launch
+uses) with the specialisation of the launch at 128K cached tokens, GQA 32/8, D = 128, bfloat16, one query (integer
+arguments equal to 1 become constants, multiples of 16 get divisibility 16, as Triton's launcher does). Use the
+Triton of the device image for figures that hold there: ``pip install --no-deps --target /tmp/triton36
+triton==3.6.0``, then
+    PYTHONPATH=/tmp/triton36:. python benchmarks/decode_sass.py --kernel sfa --topk 16
 (not under TRITON_INTERPRET). Prints the shared memory, the registers, and per backward branch (a loop) its
 instruction count and most frequent opcodes.
 """
@@ -38,7 +40,7 @@ def launch_values(topk: int, packed: int) -> dict:
                 q_len=1, k_len=CACHED, chunk_keys=27 * KEYS_PER_TILE, num_chunks=132)
 
 
-def compile_kernel(module, topk: int):
+def compile_sfa(module, topk: int):
     kernel = module._sfa_decode_chunk
     packed = (topk * 7 + 7) // 8
     constants = dict(HEAD_DIM=HEAD_DIM, TOPK=topk, INDEX_BITS=7, NBYTES=packed, BLOCK_M=ROWS,
@@ -46,7 +48,30 @@ def compile_kernel(module, topk: int):
                      UNIT_KEYS=module._UNIT_TILES * KEYS_PER_TILE, PREFETCH_TILES=module._PREFETCH_TILES)
     pointers = dict(Q="*bf16", TABLE="*bf16", COUNTERS="*i32", IDX="*u8", VAL="*i64", V="*bf16", O="*fp32",
                     LSE="*fp32", V_DESC=f"tensordesc<bf16[1, 1, {KEYS_PER_TILE}, {HEAD_DIM}]>", scale="fp32")
-    values = launch_values(topk, packed)
+    return compile_launch(kernel, constants, pointers, launch_values(topk, packed), num_warps=1, num_stages=5)
+
+
+def compile_focus(module):
+    """The Focus decode kernel of the 128K launch: the H200 plan's 98 chunks of 21 64-key tiles, no softcap."""
+    kernel = module._focus_decode_chunk
+    block_n = module._block_n(HEAD_DIM)
+    constants = dict(HEAD_DIM=HEAD_DIM, BLOCK_M=ROWS, BLOCK_N=block_n, SCAN_N=module._SCAN_N, SCAN_M=1,
+                     SCAN_STAGES=module._SCAN_STAGES, PREFETCH_KEYS=module._PREFETCH_KEYS, SOFTCAP=False,
+                     NATIVE_DOT=True)
+    pointers = dict(Q="*bf16", K="*bf16", V="*bf16", BITS="*i64", KEYS="*i32", O="*fp32", LSE="*fp32",
+                    scale="fp32", softcap="fp32")
+    head = CACHED * HEAD_DIM
+    values = dict(stride_qb=GROUP * KV_HEADS * HEAD_DIM, stride_qh=HEAD_DIM, stride_qt=HEAD_DIM, stride_qd=1,
+                  stride_kb=KV_HEADS * head, stride_kh=head, stride_kt=HEAD_DIM, stride_kd=1,
+                  stride_vb=KV_HEADS * head, stride_vh=head, stride_vt=HEAD_DIM, stride_vd=1,
+                  stride_bits_b=CACHED, stride_bits_t=1, kv_heads=KV_HEADS, group=GROUP, q_len=1, k_len=CACHED,
+                  window=128, chunk_keys=21 * block_n, num_chunks=98)
+    return compile_launch(kernel, constants, pointers, values, num_warps=module._NUM_WARPS,
+                          num_stages=module._num_stages(HEAD_DIM, 2))
+
+
+def compile_launch(kernel, constants: dict, pointers: dict, values: dict, *, num_warps: int, num_stages: int):
+    """``kernel`` compiled for sm_90 as Triton's launcher specialises it for these integer ``values``."""
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constants or values.get(name) == 1:
@@ -57,7 +82,8 @@ def compile_kernel(module, topk: int):
         if signature[name].startswith("*") or values.get(name, 1) % 16 == 0:
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=5))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def tool(name: str) -> str:
@@ -79,19 +105,22 @@ def loops(sass: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--module", default="decode", help="sieve_attn.ops.sfa.MODULE (default: decode)")
-    parser.add_argument("--topk", type=int, default=16)
+    parser.add_argument("--kernel", choices=("sfa", "focus"), default="sfa")
+    parser.add_argument("--module", default="decode", help="sieve_attn.ops.KERNEL.MODULE (default: decode)")
+    parser.add_argument("--topk", type=int, default=16, help="SFA's top-k (--kernel sfa)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("TRITON_INTERPRET is set: the interpreter compiles nothing; unset it")
-    compiled = compile_kernel(importlib.import_module(f"sieve_attn.ops.sfa.{args.module}"), args.topk)
+    module = importlib.import_module(f"sieve_attn.ops.{args.kernel}.{args.module}")
+    compiled = compile_sfa(module, args.topk) if args.kernel == "sfa" else compile_focus(module)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([tool("cuobjdump"), "-res-usage", cubin.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tool("cuobjdump"), "-sass", cubin.name], capture_output=True, text=True).stdout
     registers = re.search(r"REG:(\d+)", usage)
-    print(f"triton {triton.__version__}, topk {args.topk}: shared {compiled.metadata.shared} bytes, "
+    what = f"topk {args.topk}" if args.kernel == "sfa" else "focus"
+    print(f"triton {triton.__version__}, {what}: shared {compiled.metadata.shared} bytes, "
           f"registers {registers.group(1) if registers else '?'}")
     for first, last, count, opcodes in loops(sass):
         print(f"loop {first:#x}-{last:#x}: {count} instructions; " +

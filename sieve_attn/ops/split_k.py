@@ -51,10 +51,13 @@ def sm_count(device: torch.device) -> int:
 
 
 def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device: torch.device, *, block_n: int,
-         programs_per_sm: int, pooled: float = 0.0) -> Plan:
+         programs_per_sm: int, pooled: float = 0.0, max_chunk_tiles: int | None = None) -> Plan:
     """About ``programs_per_sm`` programs per SM in all, each chunk a whole number of ``block_n``-key tiles (the
     kernel's tile). Each kernel measures its own: resident programs hide each other's load latency, and a last wave
-    that fills only part of the SMs leaves the rest idle, so whole waves of what an SM holds at once win.
+    that fills only part of the SMs leaves the rest idle, so whole waves of what an SM holds at once win. With
+    ``max_chunk_tiles``, ``programs_per_sm`` is one such wave, and a long cache gets as many whole waves as keep a
+    chunk within ``max_chunk_tiles`` tiles (a program's fixed start, which the other programs of its SM hide, is then
+    paid where it pays: at short caches it outweighs what a second wave hides).
 
     ``pooled`` in [0, 1): at least that fraction of the tiles is left out of the chunks, for a kernel whose
     programs take the rest over from a pool as they finish their chunk (0: the chunks cover every key)."""
@@ -63,7 +66,10 @@ def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device
     row_blocks = triton.cdiv(rows, block_m)
     sms = sm_count(device)
     tiles = triton.cdiv(k_len, block_n)
-    chunks = max(1, min(tiles, triton.cdiv(programs_per_sm * sms, batch * kv_heads * row_blocks)))
+    chunks = triton.cdiv(programs_per_sm * sms, batch * kv_heads * row_blocks)
+    if max_chunk_tiles is not None:
+        chunks *= triton.cdiv(triton.cdiv(tiles, chunks), max_chunk_tiles)
+    chunks = max(1, min(tiles, chunks))
     if pooled > 0:
         return Plan(block_m, row_blocks, int(tiles * (1 - pooled)) // chunks * block_n, chunks)
     tiles_per_chunk = triton.cdiv(tiles, chunks)

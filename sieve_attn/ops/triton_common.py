@@ -95,6 +95,17 @@ def prefetch_l2(ptrs):
 
 
 @jit
+def prefetch_rows_l2(head, rows, stride_t, stride_d, ROW_LEN: tl.constexpr):
+    """Asks L2 to fetch rows ``rows`` [N] (int, all in bounds) of the [T, ROW_LEN] matrix at pointer ``head`` (row
+    stride ``stride_t``, element stride ``stride_d``): one request per 128-byte line of each row, for any element
+    type (ROW_LEN a power of two). A hint, like :func:`prefetch_l2`; with ``stride_d`` other than 1 it misses lines,
+    never values."""
+    PER_LINE: tl.constexpr = 1024 // head.dtype.element_ty.primitive_bitwidth  # elements in a 128-byte line
+    LINES: tl.constexpr = (ROW_LEN + PER_LINE - 1) // PER_LINE
+    prefetch_l2(head + rows[:, None] * stride_t + tl.arange(0, LINES)[None, :] * (PER_LINE * stride_d))
+
+
+@jit
 def exp2(x):
     """2 ** x, float32. On GPUs one ex2.approx.ftz: results below 2 ** -126 flush to 0 (softmax weights there are
     far below any 16-bit or float32 sum's resolution), where tl.exp2 and tl.exp add a subnormal fix-up of three

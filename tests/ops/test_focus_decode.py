@@ -39,6 +39,8 @@ CASES = {
     "mqa-window-past-keys-softcap": (2, 3, 1, 1, 257, 32, 300, 4, 1, BF16, 2.0, True),
     "mqa-window5-softcap": (1, 3, 1, 3, 257, 32, 5, 62, 1, F32, 2.0, False),
     "two-row-blocks": (1, 8, 1, 9, 100, 32, 5, 8, 2, F32, None, True),
+    # More queries than a row block holds: each block scans its own rows' positions, not all of them.
+    "queries-past-a-row-block": (1, 2, 1, 70, 300, 32, 5, 8, 2, F32, None, False),
     "fp16-d128": (1, 4, 2, 2, 257, 128, 5, 16, 2, F16, 5.0, False),
     "d256": (1, 2, 1, 1, 129, 256, 5, 8, 2, BF16, None, False),
 }
@@ -108,7 +110,7 @@ def test_matches_reference(case):
 def test_chunks_of_many_tiles_match_reference(sms, head_dim, monkeypatch):
     """Few programs (a GPU of 1 or 3 SMs, one program per SM): each chunk spans several key tiles, so the attended
     positions of later tiles are appended after the earlier ones' in the program's list (at 128K on an H200 a chunk
-    holds 21 tiles at D = 128, 11 at D = 64; the other tests plan one tile per chunk). Both tile sizes: 128 keys
+    holds 21 tiles of 64 keys at D = 128, 21 of 128 at D = 64; the other tests plan one tile per chunk). Both tile sizes: 128 keys
     at D = 32, 64 at D = 128."""
     monkeypatch.setattr(split_k, "sm_count", lambda device: sms)
     monkeypatch.setattr(decode, "_PROGRAMS_PER_SM", 1)
@@ -142,13 +144,19 @@ def test_scan_steps_do_not_change_the_output(scan_n, scan_stages, head_dim, monk
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def test_split_fills_an_h200():
-    """Batch 1, 8 KV heads, 128K keys: enough chunk programs for 132 SMs, each chunk a whole number of tiles."""
-    work = split_k.plan(1, 32, 8, 1, 128 * 1024, torch.device("cpu"), block_n=decode._block_n(128),
-                        programs_per_sm=decode._PROGRAMS_PER_SM)  # the CPU plans for an H200's 132 SMs
-    chunk_keys, chunks = work.chunk_keys, work.chunks
-    assert chunk_keys % decode._block_n(128) == 0 and chunks * chunk_keys >= 128 * 1024 > (chunks - 1) * chunk_keys
-    assert 8 * chunks >= 4 * 132  # several resident programs per SM
+def test_plan_fills_an_h200_in_whole_waves_of_bounded_chunks():
+    """Batch 1, 8 KV heads, one query, D = 128 on an H200's 132 SMs (the CPU plans for those): chunks of whole tiles
+    cover the keys, none holds more than _MAX_CHUNK_TILES tiles, and the programs come in as few waves of
+    _PROGRAMS_PER_SM per SM as that allows: one up to 64K keys, two at 128K, 11 at 1M."""
+    block_n = decode._block_n(128)
+    one_wave = -(-decode._PROGRAMS_PER_SM * 132 // 8)  # chunks per KV head
+    for k_len, waves in ((8192, 1), (65536, 1), (131072, 2), (131072 + 5, 2), (1 << 20, 11)):
+        work = split_k.plan(1, 32, 8, 1, k_len, torch.device("cpu"), block_n=block_n,
+                            programs_per_sm=decode._PROGRAMS_PER_SM, max_chunk_tiles=decode._MAX_CHUNK_TILES)
+        chunk_keys, chunks = work.chunk_keys, work.chunks
+        assert chunk_keys % block_n == 0 and chunks * chunk_keys >= k_len > (chunks - 1) * chunk_keys
+        assert chunk_keys <= decode._MAX_CHUNK_TILES * block_n
+        assert (waves - 1) * one_wave < chunks <= waves * one_wave, (k_len, chunks)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="records the interpreter's loads")
@@ -241,7 +249,7 @@ def test_each_program_lists_its_keys_in_its_own_scratch_slice(monkeypatch):
     q, k, v = make_inputs(2, 4, 2, 1, 600, 32, F32, strided=False)
     focus_decode(q, k, v, group_bits(random_groups(2, 600, 8, 1)), window=5, scale=1.0)
     work = split_k.plan(2, 4, 2, 1, 600, q.device, block_n=decode._block_n(32),
-                        programs_per_sm=decode._PROGRAMS_PER_SM)
+                        programs_per_sm=decode._PROGRAMS_PER_SM, max_chunk_tiles=decode._MAX_CHUNK_TILES)
     chunk_keys = work.chunk_keys
     spans = sorted((int(a.min()), int(a.max())) for a in (numpy.concatenate(s) for s in stores.values()))
     assert len(spans) == 2 * 2 * work.chunks * work.row_blocks > 8  # every program found attended keys

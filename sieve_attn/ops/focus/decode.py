@@ -30,8 +30,8 @@ import triton.language as tl
 from ..._checks import fail
 from .. import split_k
 from ..split_k import program_rows, store_rows
-from ..triton_common import (LOG2E, allow_next_kernel, dot, is_interpreted, on_device_of, softmax_finish, softmax_start,
-                             softmax_step, tanh)
+from ..triton_common import (LOG2E, allow_next_kernel, dot, is_interpreted, on_device_of, prefetch_rows_l2,
+                             softmax_finish, softmax_start, softmax_step, tanh)
 
 # Plan of the two-pass kernel: the fastest that passed the gated bench on an H200 (128K, GQA 32/8, D = 128, K = 8,
 # CUDA graphs). v7 (benchmarks/results/focus_h200/v7): 2 stages against 3 in the same session, top-1 0.088 vs 0.102
@@ -39,14 +39,25 @@ from ..triton_common import (LOG2E, allow_next_kernel, dot, is_interpreted, on_d
 # registers an SM holds 3 programs, and 6 per SM (two whole waves) beat 8 (top-1 0.077 vs 0.088 ms, top-2 0.126 vs
 # 0.141), 3, 4, 9 and 12. v16, with the 256-key scan: 6 per SM still beat 3, 4, 8, 9 and 12 (top-1 0.056 vs
 # 0.061-0.071 ms). v8 (keys-major tiles, 3 stages): 6 still beat 8 and 10 (top-1 0.051 vs 0.057 and 0.060 ms,
-# top-2 0.097 vs 0.106 and 0.112). Stages: ``_num_stages``.
-_NUM_WARPS, _PROGRAMS_PER_SM = 4, 6
+# top-2 0.097 vs 0.106 and 0.112). Stages: ``_num_stages``. v23 (the one-position scan; ../v23/call_c, 8K-128K, D =
+# 128 and 64, gated, 5 interleaved rounds): one wave of the 3 programs an SM holds beat two waves (6 per SM) wherever
+# a chunk stayed within about 21 tiles (D = 128 up to 64K: 64K top-1 0.0236 vs 0.0289 ms, top-2 0.0499 vs 0.0536,
+# 32K 0.0185 vs 0.0221, 0.0331 vs 0.0355; D = 64 up to 128K: 0.0249 vs 0.0265, 0.0515 vs 0.0532) and lost at 128K,
+# D = 128 (41 tiles a chunk: 0.0467 vs 0.0385, 0.1033 vs 0.0843); 4 per SM lost everywhere. So one wave, and as
+# many whole waves as keep a chunk within _MAX_CHUNK_TILES tiles (split_k.plan). Call D, that plan against 6 per SM
+# at any chunk length: even at 128K (0.0384, 0.0836 ms at a bound of 24 or 32), ahead below (64K 0.0234 vs 0.0290,
+# 0.0494 vs 0.0531; D = 64, 128K 0.0249 vs 0.0267), behind at 256K (bound 32: 0.0625 vs 0.0619, 0.1475 vs 0.1457;
+# 24: 0.0638, 0.1500; 16 lost from 64K on). Longer caches are not measured.
+_NUM_WARPS, _PROGRAMS_PER_SM, _MAX_CHUNK_TILES = 4, 3, 32
 # Pass 1 (the scan of the chunk's bit sets): keys per step, a power of two, and its software pipeline's stages (1:
 # none, each step waits for its own load). The list it writes, and so the output, depend on neither. v15-v16
 # (benchmarks/results/focus_h200/v15, v16; 128K, D = 128, K=8, CUDA graphs, ms): 64 keys unpipelined, as measured
 # before, top-1 0.076 ms, top-2 0.126 (combinations) / 0.115 (adjacent); 256 keys in 3 stages 0.057, 0.106, 0.095;
 # 512 in 3 stages 0.054, 0.104, 0.092 (call M). 128 keys were slower than 64 unpipelined.
 _SCAN_N, _SCAN_STAGES = 512, 3
+# Listed keys whose K and V rows each program has L2 prefetch during pass 1, as the scan finds them: DRAM would
+# otherwise idle while the scan reads only the bit sets (8 bytes a key against 4 * D for the K and V rows in bf16).
+_PREFETCH_KEYS = 64
 
 
 def _block_n(head_dim: int) -> int:
@@ -82,7 +93,8 @@ def _focus_decode_chunk(
     stride_bits_b, stride_bits_t,
     kv_heads, group, q_len, k_len, window, scale, softcap, chunk_keys, num_chunks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN_N: tl.constexpr,
-    SCAN_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    SCAN_M: tl.constexpr, SCAN_STAGES: tl.constexpr, PREFETCH_KEYS: tl.constexpr, SOFTCAP: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
 ):
     """Grid (B * Hkv, chunks, row blocks). KEYS: int32 scratch, ``chunk_keys`` entries per program. Writes the
     chunk's normalized output and log-sum-exp of each row to O [B, Hq, Tq, chunks, D] and LSE [B, Hq, Tq, chunks]
@@ -94,23 +106,36 @@ def _focus_decode_chunk(
     q_bits = tl.load(bits_row + q_pos * stride_bits_t, mask=row_ok, other=0)
     program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     keys = KEYS + program.to(tl.int64) * chunk_keys
+    k_head = K + b * stride_kb + kv_head * stride_kh
+    v_head = V + b * stride_vb + kv_head * stride_vh
 
     # Pass 1: the positions of the chunk's keys that some row attends, in position order, SCAN_N keys per step.
+    # The pattern depends on a row's position only, so the scan tests SCAN_M positions that include all of the
+    # rows' (row r sits at query r % Tq; SCAN_M >= min(Tq, BLOCK_M) consecutive rows cover each position a block
+    # holds, repeats aside): one position at Tq = 1 instead of BLOCK_M rows.
+    scan_pos = k_len - q_len + (tl.program_id(2) * BLOCK_M + tl.arange(0, SCAN_M)) % q_len
+    scan_bits = tl.load(bits_row + scan_pos * stride_bits_t)
+    scan_ok = tl.full([SCAN_M], 1, tl.int1)
     count = 0
     for n0 in tl.range(start, stop, SCAN_N, num_stages=SCAN_STAGES):
         n = n0 + tl.arange(0, SCAN_N)
-        needed = tl.max(_pairs(n, n < stop, bits_row, stride_bits_t, q_pos, q_bits, row_ok, window).to(tl.int32),
-                        axis=1) > 0
+        needed = tl.max(_pairs(n, n < stop, bits_row, stride_bits_t, scan_pos, scan_bits, scan_ok, window)
+                        .to(tl.int32), axis=1) > 0
         flags = needed.to(tl.int32)
-        tl.store(keys + count + tl.cumsum(flags, axis=0) - flags, n, mask=needed)
+        slot = count + tl.cumsum(flags, axis=0) - flags
+        tl.store(keys + slot, n, mask=needed)
+        if PREFETCH_KEYS > 0:
+            if count < PREFETCH_KEYS:
+                # The first PREFETCH_KEYS listed keys; the others ask for row start (in bounds, and one line).
+                rows = tl.where(needed & (slot < PREFETCH_KEYS), n, start)
+                prefetch_rows_l2(k_head, rows, stride_kt, stride_kd, HEAD_DIM)
+                prefetch_rows_l2(v_head, rows, stride_vt, stride_vd, HEAD_DIM)
         count += tl.sum(flags, axis=0)
     # The list is written by all of the program's threads and read by all of them: the barrier orders those global
     # stores before the loads (bar.sync orders the CTA's memory accesses).
     tl.debug_barrier()
 
     # Pass 2: the online softmax over the listed keys.
-    k_head = K + b * stride_kb + kv_head * stride_kh
-    v_head = V + b * stride_vb + kv_head * stride_vh
     q_t = tl.trans(q)
     acc_t, l_t, m_i = softmax_start(BLOCK_M, HEAD_DIM, BLOCK_N)
     for t0 in range(0, count, BLOCK_N):
@@ -180,7 +205,7 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
                  f"strides {t.stride()} at Tk = {k_len}")
     block_n = _block_n(head_dim)
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=block_n,
-                        programs_per_sm=_PROGRAMS_PER_SM)
+                        programs_per_sm=_PROGRAMS_PER_SM, max_chunk_tiles=_MAX_CHUNK_TILES)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
     part_out, part_lse = (out, lse) if work.chunks == 1 else split_k.partials(q, work.chunks)
@@ -192,8 +217,9 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
             *q.stride(), *k.stride(), *v.stride(), *bits.stride(),
             kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale * LOG2E,
             (1.0 if softcap is None else softcap) * LOG2E, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=block_n, SCAN_N=_SCAN_N, SCAN_STAGES=_SCAN_STAGES,
-            SOFTCAP=softcap is not None,
+            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=block_n, SCAN_N=_SCAN_N,
+            SCAN_M=triton.next_power_of_2(min(q_len, work.block_m)), SCAN_STAGES=_SCAN_STAGES,
+            PREFETCH_KEYS=_PREFETCH_KEYS, SOFTCAP=softcap is not None,
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
             num_stages=_num_stages(head_dim, q.element_size()))
         if work.chunks > 1:

@@ -50,9 +50,8 @@ from ...config import SFA_DECODE_BACKENDS
 from .. import split_k
 from ..split_k import program_rows, store_rows
 from ..triton_common import (LOG2E, allow_next_kernel, choose_backend, hopper_or_newer, is_interpreted, jit,
-                             kernel_blocker, on_device_of, prefetch_l2, softmax_finish, softmax_start, softmax_step,
-                             triton,
-                             wait_for_prior_kernel)
+                             kernel_blocker, on_device_of, prefetch_l2, prefetch_rows_l2, softmax_finish, softmax_start,
+                             softmax_step, triton, wait_for_prior_kernel)
 from .cache import SFAKeyCache
 from .codes import densify, sparsify
 
@@ -295,10 +294,8 @@ def _sfa_decode_chunk(
     v_head = V + b * stride_vb + kv_head * stride_vh
     if PREFETCH_TILES > 0:
         # DRAM is idle while the query table is built: have L2 fetch this program's first tiles meanwhile.
-        PER_LINE: tl.constexpr = 1024 // V.dtype.element_ty.primitive_bitwidth  # elements in a 128-byte line
-        LINES: tl.constexpr = (HEAD_DIM + PER_LINE - 1) // PER_LINE
         n = tl.minimum(start + tl.arange(0, PREFETCH_TILES * BLOCK_N), k_len - 1)
-        prefetch_l2(v_head + n[:, None] * stride_vt + tl.arange(0, LINES)[None, :] * (PER_LINE * stride_vd))
+        prefetch_rows_l2(v_head, n, stride_vt, stride_vd, HEAD_DIM)
         prefetch_l2(val_head + n * stride_kt)
         prefetch_l2(idx_head + n * NBYTES // 4)
     wait_for_prior_kernel()  # the query table (a programmatic dependent launch where the GPU can)
