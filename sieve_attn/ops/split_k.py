@@ -56,8 +56,8 @@ def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device
     kernel's tile). Each kernel measures its own: resident programs hide each other's load latency, and a last wave
     that fills only part of the SMs leaves the rest idle, so whole waves of what an SM holds at once win. With
     ``max_chunk_tiles``, ``programs_per_sm`` is one such wave, and a long cache gets as many whole waves as keep a
-    chunk within ``max_chunk_tiles`` tiles (a program's fixed start, which the other programs of its SM hide, is then
-    paid where it pays: at short caches it outweighs what a second wave hides).
+    chunk within ``max_chunk_tiles`` tiles: every wave pays each program's fixed start again (Focus decode's scan),
+    so short caches run fastest in one wave and long ones in waves of bounded chunks.
 
     ``pooled`` in [0, 1): at least that fraction of the tiles is left out of the chunks, for a kernel whose
     programs take the rest over from a pool as they finish their chunk (0: the chunks cover every key)."""

@@ -3,10 +3,11 @@
 Flash-decoding split-K (:mod:`sieve_attn.ops.split_k`): one program per (batch, KV head, chunk of keys, row block),
 K and V read once per KV head. A program works in two passes over its chunk:
 
-1. Compaction: it streams the chunk's group bit sets in steps of SCAN_N keys, builds the pair mask of its rows and
-   appends the positions of the keys some row attends to its own list (int32, in a scratch buffer of
-   ``chunk_keys`` entries per program; in position order, so the pass writes each list entry once, through a
-   prefix sum of the tile's flags).
+1. Compaction: it streams the chunk's group bit sets in steps of SCAN_N keys, tests them against the positions of
+   its rows (one position at Tq = 1: the pattern depends on a row's position, not its head), appends the positions
+   of the keys some row attends to its own list (int32, in a scratch buffer of ``chunk_keys`` entries per program;
+   in position order, so the pass writes each list entry once, through a prefix sum of the tile's flags), and has
+   L2 prefetch the K and V rows of the first listed keys.
 2. Attention: it walks that list in tiles of BLOCK_N positions, gathers those K and V rows, recomputes each row's
    exact pair mask from the positions, and runs the online softmax (both dots on tiles of attended keys, all full
    but the last).
