@@ -98,6 +98,39 @@ def focus_cases(q, k, v, top_ks, num_groups: int, scale: float):
             exact, low_error
 
 
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that choose the decode steps (kernel, top-k, groups, head dim, heads): this probe's and
+    decode_timeline.py's."""
+    parser.add_argument("--kernel", choices=("sfa", "focus"), default="sfa")
+    parser.add_argument("--topk", type=positive_int_list, default=(16, 8),
+                        help="SFA's top-k, or Focus's memberships per token (default: 16,8)")
+    parser.add_argument("--groups", type=int, default=8, help="Focus's group count K (default: 8)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=head_pair, default=(32, 8), help="query and KV heads, e.g. 32/8")
+
+
+def step_inputs(args, length: int, device: torch.device):
+    """Seeded bf16 decode inputs of ``args``' heads and head dim: q [1, Hq, 1, D], k and v [1, Hkv, length, D]."""
+    (q_heads, kv_heads), head_dim = args.heads, args.head_dim
+    torch.manual_seed(0)
+    q = torch.randn(1, q_heads, 1, head_dim, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v
+
+
+def dense_step(q, k, v):
+    """Dense SDPA-cuDNN decode over the whole cache, captured as a CUDA graph."""
+    return graphed(lambda: sdpa(q, k, v, "cudnn", causal=False))
+
+
+def step_cases(args, q, k, v):
+    """:func:`sfa_cases` or :func:`focus_cases` of ``args``, at scale D ** -0.5."""
+    scale = args.head_dim ** -0.5
+    if args.kernel == "sfa":
+        return sfa_cases(q, k, v, args.topk, scale)
+    return focus_cases(q, k, v, args.topk, args.groups, scale)
+
+
 def gate_and_capture(kernel: str, variant: str, step, exact, low_error: float):
     """(row, graph replay or None) of one variant: its gate, and its step captured with its knobs set."""
     module, settings = parse_variant(kernel, variant)
@@ -128,30 +161,20 @@ def interleaved(replays: dict, device: torch.device, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("sfa", "focus"), default="sfa")
     parser.add_argument("--out", type=Path, required=True, help="folder for decode_probe.json")
     parser.add_argument("--variants", required=True, help="comma-separated MODULE[:NAME=VALUE;...] (';' between knobs)")
     parser.add_argument("--lengths", type=length_list, default=(131072,), help="cached tokens, e.g. 64K,128K")
-    parser.add_argument("--topk", type=positive_int_list, default=(16, 8),
-                        help="SFA's top-k, or Focus's memberships per token (default: 16,8)")
-    parser.add_argument("--groups", type=int, default=8, help="Focus's group count K (default: 8)")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--heads", type=head_pair, default=(32, 8), help="query and KV heads, e.g. 32/8")
+    add_step_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     variants = args.variants.split(",")
-    device, (q_heads, kv_heads), head_dim = torch.device("cuda"), args.heads, args.head_dim
-    scale = head_dim ** -0.5
+    device, head_dim = torch.device("cuda"), args.head_dim
     rows = []
     for length in args.lengths:
-        torch.manual_seed(0)
-        q = torch.randn(1, q_heads, 1, head_dim, device=device, dtype=torch.bfloat16)
-        k, v = (torch.randn(1, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
-        replays = {"dense": graphed(lambda: sdpa(q, k, v, "cudnn", causal=False))}
-        cases = (sfa_cases(q, k, v, args.topk, scale) if args.kernel == "sfa" else
-                 focus_cases(q, k, v, args.topk, args.groups, scale))
-        for topk, step, exact, low_error in cases:
-            timed = {"dense": replays["dense"]}
+        q, k, v = step_inputs(args, length, device)
+        dense = dense_step(q, k, v)
+        for topk, step, exact, low_error in step_cases(args, q, k, v):
+            timed = {"dense": dense}
             for variant in variants:
                 row, replay = gate_and_capture(args.kernel, variant, step, exact, low_error)
                 rows.append(dict(row, T=length, topk=topk))

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from decode_probe import focus_cases, gate_and_capture, sfa_cases
-from sieve_attn.bench.common import head_pair, length_list, positive_int_list, sdpa
-from sieve_attn.bench.timing import L2_FLUSH_BYTES, graphed
+from decode_probe import add_step_arguments, dense_step, gate_and_capture, step_cases, step_inputs
+from sieve_attn.bench.common import length_list
+from sieve_attn.bench.timing import L2_FLUSH_BYTES
 
 
 def kernel_timeline(replay, flush: torch.Tensor, replays: int = 20, skipped: int = 3) -> dict:
@@ -51,25 +51,15 @@ def kernel_timeline(replay, flush: torch.Tensor, replays: int = 20, skipped: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("sfa", "focus"), default="sfa")
     parser.add_argument("--out", type=Path, required=True, help="folder for decode_timeline.json")
     parser.add_argument("--length", type=length_list, default=(131072,), help="cached tokens (one length)")
-    parser.add_argument("--topk", type=positive_int_list, default=(16, 8),
-                        help="SFA's top-k, or Focus's memberships per token (default: 16,8)")
-    parser.add_argument("--groups", type=int, default=8, help="Focus's group count K (default: 8)")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--heads", type=head_pair, default=(32, 8), help="query and KV heads, e.g. 32/8")
+    add_step_arguments(parser)
     args = parser.parse_args()
-    device, (q_heads, kv_heads), head_dim, length = torch.device("cuda"), args.heads, args.head_dim, args.length[0]
-    scale = head_dim ** -0.5
-    torch.manual_seed(0)
-    q = torch.randn(1, q_heads, 1, head_dim, device=device, dtype=torch.bfloat16)
-    k, v = (torch.randn(1, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    device, length = torch.device("cuda"), args.length[0]
+    q, k, v = step_inputs(args, length, device)
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
-    result = {"dense": kernel_timeline(graphed(lambda: sdpa(q, k, v, "cudnn", causal=False)), flush)}
-    cases = (sfa_cases(q, k, v, args.topk, scale) if args.kernel == "sfa" else
-             focus_cases(q, k, v, args.topk, args.groups, scale))
-    for topk, step, exact, low_error in cases:
+    result = {"dense": kernel_timeline(dense_step(q, k, v), flush)}
+    for topk, step, exact, low_error in step_cases(args, q, k, v):
         row, replay = gate_and_capture(args.kernel, "decode", step, exact, low_error)
         print(("" if row.get("ok") else "FAIL ") + json.dumps(row), flush=True)
         if replay is not None:
@@ -79,7 +69,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_timeline.json").write_text(json.dumps(
         dict(device=torch.cuda.get_device_name(), torch=torch.__version__, kernel=args.kernel, T=length,
-             D=head_dim, heads=[q_heads, kv_heads], steps=result), indent=1))
+             D=args.head_dim, heads=list(args.heads), steps=result), indent=1))
 
 
 if __name__ == "__main__":
