@@ -60,7 +60,10 @@ def _train_args(parser: argparse.ArgumentParser, steps: int, lr: float = 1e-2) -
     group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     group.add_argument("--train-text", nargs="+", default=None, metavar="PATH",
                        help="files or folders to train on, in this order; the word stdlib stands for the standard "
-                            "library's training split (a folder of that name: ./stdlib) (default: stdlib)")
+                            "library's training split (its top-level modules but the held-out ones), stdlib-packages "
+                            "for its packages and stdlib-tests for its test suites (more text of the held-out "
+                            "files' kind; codec tables, installed packages and every file named after a held-out "
+                            "module left out); a folder of one of those names: ./stdlib (default: stdlib)")
 
 
 def _eval_args(parser: argparse.ArgumentParser, windows: int) -> None:
@@ -250,11 +253,19 @@ def _setup(args):
 
 def _files(text, split: int) -> list:
     """The files of ``text`` (a path of a file or folder, or a list of them, in order; the word "stdlib", or None,
-    stands for the standard library's split: 0 training, 1 held out)."""
-    from .data.text import stdlib_split, text_files
+    stands for the standard library's split: 0 training, 1 held out; "stdlib-packages" and "stdlib-tests" for its
+    packages and its test suites, :func:`.data.text.stdlib_more`)."""
+    from .data.text import stdlib_more, stdlib_split, text_files
+
+    def files_of(path):
+        if path in (None, "stdlib"):
+            return stdlib_split()[split]
+        if path in ("stdlib-packages", "stdlib-tests"):
+            return stdlib_more(tests=path == "stdlib-tests")
+        return text_files(path)
 
     paths = [text] if text is None or isinstance(text, (str, os.PathLike)) else text
-    return [f for path in paths for f in (stdlib_split()[split] if path in (None, "stdlib") else text_files(path))]
+    return [f for path in paths for f in files_of(path)]
 
 
 def _windows(tokenizer, text, split: int, context: int, count):

@@ -93,6 +93,26 @@ def test_training_starts_from_the_seed_whatever_the_random_state(tmp_path):
     assert routers_a.keys() == routers_b.keys() and all(torch.equal(routers_a[k], routers_b[k]) for k in routers_a)
 
 
+def test_stdlib_packages_and_tests_are_more_training_text_that_never_names_a_held_out_module(tmp_path, monkeypatch):
+    from sieve_attn.cli import _files
+    from sieve_attn.data import text
+
+    files = ["argparse.py", "os.py", "email/parser.py", "email/mime/text.py", "encodings/cp1252.py",
+             "site-packages/numpy/core.py", "pathlib/_local.py", "asyncio/__pycache__/x.py", "test/test_os.py",
+             "test/test_typing.py", "test/test_inspect/test_inspect.py", "unittest/test/test_case.py",
+             "lib2to3/tests/data/a.py", "idlelib/idle_test/test_x.py", "email/README.txt"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    monkeypatch.setattr(text, "stdlib_dir", lambda: tmp_path)
+    packages = [tmp_path / name for name in ("email/mime/text.py", "email/parser.py")]
+    tests = [tmp_path / name for name in ("idlelib/idle_test/test_x.py", "lib2to3/tests/data/a.py", "test/test_os.py",
+                                          "unittest/test/test_case.py")]
+    assert text.stdlib_more(tests=False) == packages and text.stdlib_more(tests=True) == tests
+    assert _files(["stdlib", "stdlib-packages", "stdlib-tests"], 0) == [tmp_path / "os.py", *packages, *tests]
+    assert _files("stdlib", 1) == [tmp_path / "argparse.py"]
+
+
 def test_train_text_takes_several_paths_in_order_and_stdlib_for_the_training_split(tmp_path):
     from sieve_attn.cli import _files
     from sieve_attn.data.text import stdlib_split

@@ -1,5 +1,6 @@
-"""Real text offline: Python's standard-library sources (split by file into training and held-out sets) and any
-text file or folder a user names. Text becomes fixed-length windows of token ids."""
+"""Real text offline: Python's standard-library sources (split by file into training and held-out sets, plus the
+library's packages and test suite as more training text of the same kind) and any text file or folder a user names.
+Text becomes fixed-length windows of token ids."""
 from __future__ import annotations
 
 import sysconfig
@@ -14,6 +15,10 @@ HELD_OUT_STDLIB = ("argparse.py", "typing.py", "tarfile.py", "subprocess.py", "p
 # Prose, out of the training domain; present on Debian systems.
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ""}
+# Folders of the standard library that are not its own source text: installed third-party packages, and the codecs'
+# generated character-map tables (encodings/cp1252.py and the like: mostly escaped byte strings).
+_NOT_STDLIB_TEXT = {"site-packages", "dist-packages", "__pycache__", "encodings"}
+_TEST_FOLDERS = {"test", "tests", "idle_test"}
 
 
 def stdlib_dir() -> Path:
@@ -26,6 +31,24 @@ def stdlib_split() -> tuple[list[Path], list[Path]]:
     held = [p for p in files if p.name in HELD_OUT_STDLIB]
     train = [p for p in files if p.name not in HELD_OUT_STDLIB]
     return train, held
+
+
+def stdlib_more(tests: bool) -> list[Path]:
+    """More training text of the held-out files' kind: the ``.py`` files in the standard library's folders (its
+    packages, ``tests=False``) or in its test suites (``tests=True``: the ``test``, ``tests`` and ``idle_test``
+    folders), sorted. Disjoint from :func:`stdlib_split` (its files are the top-level modules), and no path names a
+    held-out module (``test_typing.py``, a ``pathlib`` package in newer Pythons): those are left out, so nothing
+    trains on the held-out modules' source or on their tests."""
+    root = stdlib_dir()
+    held_stems = [name.removesuffix(".py") for name in HELD_OUT_STDLIB]
+    files = []
+    for path in sorted(root.glob("*/**/*.py")):
+        parts = path.relative_to(root).parts
+        if _NOT_STDLIB_TEXT.intersection(parts) or any(stem in part for part in parts for stem in held_stems):
+            continue
+        if _TEST_FOLDERS.isdisjoint(parts[:-1]) != tests:
+            files.append(path)
+    return files
 
 
 def text_files(path) -> list[Path]:
