@@ -71,7 +71,9 @@ def compile_focus(module):
 
 
 def compile_launch(kernel, constants: dict, pointers: dict, values: dict, *, num_warps: int, num_stages: int):
-    """``kernel`` compiled for sm_90 as Triton's launcher specialises it for these integer ``values``."""
+    """``kernel`` compiled for sm_90 as Triton's launcher specialises it for these integer ``values`` (constants
+    it does not take are dropped: a module's earlier version may take others)."""
+    constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constants or values.get(name) == 1:

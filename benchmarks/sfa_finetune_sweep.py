@@ -77,8 +77,10 @@ def run_all(names: list[str], gpus: list[str], common: list[str], out: Path) -> 
 
 
 def collect(names: list[str], out: Path) -> list[dict]:
+    """One row per configuration of ``names`` done under ``out``, and the dense fine-tune's wherever it is done there
+    (the baseline every ratio divides by, also when an earlier invocation ran it, as the teacher of these)."""
     rows = []
-    for name in names:
+    for name in dict.fromkeys([*names, "dense"]):
         path = out / name / "result.json"
         if not path.is_file():
             continue
