@@ -13,7 +13,7 @@ are timed (cold L2, :func:`sieve_attn.bench.timing.measure`) once per round in `
 dense SDPA-cuDNN decode over the same dense cache, and the median of the rounds is reported. Rounds interleave
 because one build's time moves from process to process by more than the differences probed.
 
-GQA 32/8 by default, batch 1, one query. Examples (the step against an earlier copy, and two prefetch depths):
+GQA 32/8 and batch 1 by default, one query. Examples (the step against an earlier copy, and two prefetch depths):
     python benchmarks/decode_probe.py --out OUT --variants decode,_decode_v11,decode:_PREFETCH_TILES=4
     python benchmarks/decode_probe.py --kernel focus --topk 1,2 --out OUT --variants decode:_PREFETCH_KEYS=0,decode
 Writes OUT/decode_probe.json (every gate and timing row, the device and torch version).
@@ -77,7 +77,7 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def sfa_cases(q, k, v, topks, scale: float):
     """(top-k, step(module) -> out, float64 reference, low-precision reference's error) per SFA top-k."""
     for topk in topks:
-        cache = SFAKeyCache(1, k.shape[1], k.shape[3], topk=topk, dtype=k.dtype, device=k.device,
+        cache = SFAKeyCache(k.shape[0], k.shape[1], k.shape[3], topk=topk, dtype=k.dtype, device=k.device,
                             capacity=k.shape[2])
         cache.append(k, v)
         exact = sfa_attention_reference(q.double(), k.double(), v.double(), topk=topk, causal=True, scale=scale)[0]
@@ -86,9 +86,11 @@ def sfa_cases(q, k, v, topks, scale: float):
 
 
 def focus_cases(q, k, v, top_ks, num_groups: int, scale: float):
-    """As :func:`sfa_cases`, per Focus top-k over ``num_groups`` balanced random groups."""
+    """As :func:`sfa_cases`, per Focus top-k over ``num_groups`` balanced random groups (each sequence of the
+    batch its own draw)."""
     for top_k in top_ks:
-        groups = balanced_groups(k.shape[2], num_groups, top_k).to(k.device)
+        groups = torch.cat([balanced_groups(k.shape[2], num_groups, top_k, seed=seq) for seq in range(k.shape[0])])
+        groups = groups.to(k.device)
         bits = group_bits(groups)
         reference = lambda *x: focus_attention_reference(  # noqa: E731
             *x, groups, window=FOCUS_WINDOW, causal=True, scale=scale)[0]
@@ -99,7 +101,7 @@ def focus_cases(q, k, v, top_ks, num_groups: int, scale: float):
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments that choose the decode steps (kernel, top-k, groups, head dim, heads): this probe's and
+    """The arguments that choose the decode steps (kernel, top-k, groups, head dim, heads, batch): this probe's and
     decode_timeline.py's."""
     parser.add_argument("--kernel", choices=("sfa", "focus"), default="sfa")
     parser.add_argument("--topk", type=positive_int_list, default=(16, 8),
@@ -107,14 +109,16 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=8, help="Focus's group count K (default: 8)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--heads", type=head_pair, default=(32, 8), help="query and KV heads, e.g. 32/8")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded at once, each with its own cache")
 
 
 def step_inputs(args, length: int, device: torch.device):
-    """Seeded bf16 decode inputs of ``args``' heads and head dim: q [1, Hq, 1, D], k and v [1, Hkv, length, D]."""
-    (q_heads, kv_heads), head_dim = args.heads, args.head_dim
+    """Seeded bf16 decode inputs of ``args``' batch, heads and head dim: q [B, Hq, 1, D], k and v [B, Hkv, length,
+    D]."""
+    (q_heads, kv_heads), head_dim, batch = args.heads, args.head_dim, args.batch
     torch.manual_seed(0)
-    q = torch.randn(1, q_heads, 1, head_dim, device=device, dtype=torch.bfloat16)
-    k, v = (torch.randn(1, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(batch, q_heads, 1, head_dim, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
     return q, k, v
 
 
@@ -191,7 +195,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_probe.json").write_text(json.dumps(
         dict(device=torch.cuda.get_device_name(), torch=torch.__version__, kernel=args.kernel,
-        groups=args.groups if args.kernel == "focus" else None, variants=variants, rows=rows), indent=1))
+        groups=args.groups if args.kernel == "focus" else None, heads=list(args.heads), batch=args.batch,
+        variants=variants, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_timeline.json").write_text(json.dumps(
         dict(device=torch.cuda.get_device_name(), torch=torch.__version__, kernel=args.kernel, T=length,
-             D=args.head_dim, heads=list(args.heads), steps=result), indent=1))
+             D=args.head_dim, heads=list(args.heads), batch=args.batch, steps=result), indent=1))
 
 
 if __name__ == "__main__":
