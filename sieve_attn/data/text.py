@@ -41,8 +41,11 @@ def stdlib_more(tests: bool) -> list[Path]:
     trains on the held-out modules' source or on their tests."""
     root = stdlib_dir()
     held_stems = [name.removesuffix(".py") for name in HELD_OUT_STDLIB]
+    # Installed packages are skipped before the walk: a base Python's site-packages may hold far more than the
+    # library itself.
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and p.name not in _NOT_STDLIB_TEXT)
     files = []
-    for path in sorted(root.glob("*/**/*.py")):
+    for path in sorted(path for folder in folders for path in folder.rglob("*.py")):
         parts = path.relative_to(root).parts
         if _NOT_STDLIB_TEXT.intersection(parts) or any(stem in part for part in parts for stem in held_stems):
             continue
