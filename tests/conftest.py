@@ -15,11 +15,13 @@ if not torch.cuda.is_available():
 
 def poison(tensor: torch.Tensor) -> torch.Tensor:
     """tensor filled in place with NaN (floating dtypes) or its dtype's largest value (integer dtypes; bool is left
-    as it is); returned."""
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.fill_(float("nan"))
-    elif tensor.dtype != torch.bool:
-        tensor.fill_(torch.iinfo(tensor.dtype).max)
+    as it is); returned. Filled outside autograd, so that a leaf allocated with ``requires_grad=True`` (as
+    ``torch.utils.checkpoint`` and ``torch.compile`` allocate some) stays a leaf and takes the fill."""
+    with torch.no_grad():
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.fill_(float("nan"))
+        elif tensor.dtype != torch.bool:
+            tensor.fill_(torch.iinfo(tensor.dtype).max)
     return tensor
 
 
