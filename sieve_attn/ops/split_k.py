@@ -52,24 +52,30 @@ def sm_count(device: torch.device) -> int:
 
 def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device: torch.device, *, block_n: int,
          programs_per_sm: int, pooled: float = 0.0, max_chunk_tiles: int | None = None) -> Plan:
-    """About ``programs_per_sm`` programs per SM in all, each chunk a whole number of ``block_n``-key tiles (the
-    kernel's tile). Each kernel measures its own: resident programs hide each other's load latency, and a last wave
-    that fills only part of the SMs leaves the rest idle, so whole waves of what an SM holds at once win. With
-    ``max_chunk_tiles``, ``programs_per_sm`` is one such wave, and a long cache gets as many whole waves as keep a
-    chunk within ``max_chunk_tiles`` tiles: every wave pays each program's fixed start again (Focus decode's scan),
-    so short caches run fastest in one wave and long ones in waves of bounded chunks.
+    """At most ``programs_per_sm`` programs per SM in each wave (``programs_per_sm`` is one wave: what an SM holds
+    at once), each chunk a whole number of ``block_n``-key tiles (the kernel's tile). Each kernel measures its own:
+    resident programs hide each other's load latency, and a wave that fills only part of the SMs leaves the rest
+    idle, so the programs come in whole waves: the chunks per (batch, KV head, row block) are as many as the waves'
+    slots hold, rounded down. (Rounded up, the few programs past a wave each ran a whole chunk after it, on SMs
+    otherwise idle: SFA decode at k = 16, D = 128, batch 8 ran 1088 programs in the 1056 slots of an H100, and its
+    step took 0.961 ms against 0.851 now at 128K; Focus decode at 32K, batch 4, 0.0502 against 0.0457 ms. Batch 1
+    plans are the same either way; benchmarks/results/decode_batch/NOTES.md.) With ``max_chunk_tiles``, a long
+    cache gets as few whole waves as keep a chunk within ``max_chunk_tiles`` tiles: every wave pays each program's
+    fixed start again (Focus decode's scan), so short caches run fastest in one wave and long ones in waves of
+    bounded chunks. Where the batch's KV heads and row blocks alone outnumber a wave's slots, each gets one chunk.
 
     ``pooled`` in [0, 1): at least that fraction of the tiles is left out of the chunks, for a kernel whose
     programs take the rest over from a pool as they finish their chunk (0: the chunks cover every key)."""
     rows = q_heads // kv_heads * q_len
     block_m = min(_MAX_BLOCK_M, triton.next_power_of_2(rows))
     row_blocks = triton.cdiv(rows, block_m)
-    sms = sm_count(device)
+    wave = programs_per_sm * sm_count(device)
+    chunk_programs = batch * kv_heads * row_blocks  # programs per chunk index
     tiles = triton.cdiv(k_len, block_n)
-    chunks = triton.cdiv(programs_per_sm * sms, batch * kv_heads * row_blocks)
+    waves = 1
     if max_chunk_tiles is not None:
-        chunks *= triton.cdiv(triton.cdiv(tiles, chunks), max_chunk_tiles)
-    chunks = max(1, min(tiles, chunks))
+        waves = triton.cdiv(triton.cdiv(tiles, max_chunk_tiles) * chunk_programs, wave)
+    chunks = max(1, min(tiles, waves * wave // chunk_programs))
     if pooled > 0:
         return Plan(block_m, row_blocks, int(tiles * (1 - pooled)) // chunks * block_n, chunks)
     tiles_per_chunk = triton.cdiv(tiles, chunks)

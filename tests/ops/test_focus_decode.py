@@ -149,7 +149,7 @@ def test_plan_fills_an_h200_in_whole_waves_of_bounded_chunks():
     cover the keys, none holds more than _MAX_CHUNK_TILES tiles, and the programs come in as few waves of
     _PROGRAMS_PER_SM per SM as that allows: one up to 64K keys, two at 128K, 11 at 1M."""
     block_n = decode._block_n(128)
-    one_wave = -(-decode._PROGRAMS_PER_SM * 132 // 8)  # chunks per KV head
+    one_wave = decode._PROGRAMS_PER_SM * 132 // 8  # chunks per KV head
     for k_len, waves in ((8192, 1), (65536, 1), (131072, 2), (131072 + 5, 2), (1 << 20, 11)):
         work = split_k.plan(1, 32, 8, 1, k_len, torch.device("cpu"), block_n=block_n,
                             programs_per_sm=decode._PROGRAMS_PER_SM, max_chunk_tiles=decode._MAX_CHUNK_TILES)

@@ -330,10 +330,10 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
 
 
-def _pooled_one_sm(monkeypatch):
-    """Plans for one SM with the pool at any chunk length, and records each (table, counters) the decode step's
-    query-table launch returns (so a test can read or set the counters)."""
-    monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
+def _pooled_one_sm(monkeypatch, sms: int = 1):
+    """Plans for one SM (or ``sms``) with the pool at any chunk length, and records each (table, counters) the
+    decode step's query-table launch returns (so a test can read or set the counters)."""
+    monkeypatch.setattr(split_k, "sm_count", lambda device: sms)
     monkeypatch.setattr(decode_module, "_POOL_FROM_TILES", 0)
     monkeypatch.setattr(split_k, "_MAX_BLOCK_M", 8)  # 16 rows per KV head in 2 row blocks
     seen = []
@@ -355,13 +355,13 @@ def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_fir
                                                                                              chunks, units):
     """The pool's counters after a step, whatever order the programs ran in: each unit handed out adds UNIT_KEYS
     once, and each program adds it once more when it is refused (the pool is empty) and stops, so every row
-    block's counter ends at (units + chunks) * UNIT_KEYS. Planned for one SM with the pool at short chunks: 1700
-    keys in 2 chunks and a pool of 2 units, the last cut mid-tile; and 20 keys, less than a tile, all in the pool
+    block's counter ends at (units + chunks) * UNIT_KEYS. Planned for two SMs (a wave of 20 programs at D = 64: two
+    chunks of 8 programs each) with the pool at short chunks: 1700 keys in 2 chunks and a pool of 2 units, the last cut mid-tile; and 20 keys, less than a tile, all in the pool
     (chunks of 0 keys). Batch 2, 2 KV heads, each with 8 query heads x 2 queries = 16 rows in 2 row blocks of 8:
     8 counters, each indexed by batch, KV head and row block."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
-    seen = _pooled_one_sm(monkeypatch)
+    seen = _pooled_one_sm(monkeypatch, sms=2)
     batch, q_heads, kv_heads, q_len, head_dim, topk = 2, 16, 2, 2, 64, 8
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=decode_module._BLOCK_N,
                         programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
