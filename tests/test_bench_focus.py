@@ -1,13 +1,15 @@
 """`sieve bench focus` on the CPU: end to end on tiny sizes, the correctness gate, the group generator, the
 prototype baseline, the extra backends' rows and the CLI help."""
+import functools
 import json
+import time
 
 import pytest
 import torch
 
 from sieve_attn.bench.focus import (BenchConfig, balanced_groups, check_rows, config_from_args, format_length,
                                     parse_length, prototype_same_group, run, sample_rows)
-from sieve_attn.bench.timing import measure
+from sieve_attn.bench.timing import WARMUP_S, graphed, measure
 from sieve_attn.cli import build_parser, main
 from sieve_attn.ops.focus.attention import focus_attention
 
@@ -120,8 +122,33 @@ def test_prototype_top1_equals_focus_without_window():
 
 def test_measure_on_cpu_reports_median_within_budget():
     calls = []
-    timing = measure(lambda: calls.append(1), torch.device("cpu"), warmup=2, reps=5, budget_s=10)
-    assert len(calls) == 7 and timing.reps == 5 and timing.ms >= 0 and timing.peak_gb is None
+    timing = measure(lambda: calls.append(1), torch.device("cpu"), warmup=0, reps=5, budget_s=10)
+    assert len(calls) == 5 and timing.reps == 5 and timing.ms >= 0 and timing.peak_gb is None
+
+
+def test_measure_warms_up_for_its_calls_and_at_least_warmup_s():
+    """At least ``warmup`` untimed calls, and more until WARMUP_S has passed: 1 ms calls warm up for WARMUP_S (not
+    much longer), 40 ms calls take just the two asked for; none at warmup 0 (the first test)."""
+    for call_s, least in ((0.001, 2), (0.04, 2)):
+        calls = []
+        started = time.perf_counter()
+        measure(lambda: calls.append(time.sleep(call_s)), torch.device("cpu"), warmup=2, reps=1, budget_s=0)
+        warm = len(calls) - 1
+        assert warm >= least and (warm - 1) * call_s < 3 * WARMUP_S and time.perf_counter() - started >= WARMUP_S
+        if call_s > WARMUP_S:
+            assert warm == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_graphed_replay_keeps_alive_what_the_graph_reads():
+    """A step that alone holds its input (as the bench's decode rows hand over a freshly filled cache): after the
+    caller drops it and the allocator hands out memory again, the replay still reads that input."""
+    result = torch.zeros((), device="cuda")
+    replay = graphed(functools.partial(lambda x: result.copy_(x.double().sum()),
+                                       torch.arange(1 << 20, device="cuda", dtype=torch.float32)))
+    reused = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(8)]  # take freed blocks, if any
+    replay()
+    assert result.item() == (1 << 20) * ((1 << 20) - 1) / 2 and reused
 
 
 def test_lengths_parse_with_units():

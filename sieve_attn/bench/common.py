@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import skip_nan_checks
 from .._provenance import git_commit, source_digest
-from .timing import graphed, measure
+from .timing import WARMUP_S, graphed, measure
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -164,7 +164,8 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, d: Settings) -> None:
     """--warmup, --reps, --budget, --max-call-seconds, --gate-rows, --backward-gate-length."""
     timing = parser.add_argument_group("timing and correctness gate")
     timing.add_argument("--warmup", type=int, default=d.warmup,
-                        help=f"untimed calls before timing a call shorter than {LONG_CALL_S:g} s ({d.warmup})")
+                        help=f"untimed calls before timing a call shorter than {LONG_CALL_S:g} s, and more until "
+                             f"they have taken {WARMUP_S * 1000:g} ms ({d.warmup})")
     timing.add_argument("--reps", type=int, default=d.reps,
                         help=f"timed calls at most, each after an L2 flush; the median is reported ({d.reps})")
     timing.add_argument("--budget", type=float, default=d.budget_s,

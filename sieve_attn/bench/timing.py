@@ -14,6 +14,13 @@ from typing import Callable, Optional
 import torch
 
 L2_FLUSH_BYTES = 256 * 2 ** 20
+# The shortest warm-up, in seconds, of a call that is warmed up at all (triton.testing.do_bench warms up 25 ms too).
+# A few calls were not enough for a decode step replayed as a CUDA graph: SFA's pooled step at 128K (GQA 32/8, D =
+# 128, k = 16, H100) ran its first 10-20 replays after capture about 14% slower than every later one, so 3 warm-up
+# calls and 10 timed read 0.143 ms where 20 and 10, or 3 and 50, read 0.125-0.126, and so did the probe
+# (benchmarks/results/session34, calls G-I: dense, Focus and SFA's unpooled 32K step did not move; why the
+# pooled step starts slow is not known).
+WARMUP_S = 0.025
 
 
 @dataclass(frozen=True)
@@ -27,16 +34,30 @@ class Timing:
 
 def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, reps: int = 10,
             budget_s: float = 2.0) -> Timing:
-    """Times ``fn()``: ``warmup`` untimed calls, then up to ``reps`` timed ones.
+    """Times ``fn()``: ``warmup`` untimed calls, and more while they have taken less than :data:`WARMUP_S` (none
+    at ``warmup`` 0), then up to ``reps`` timed ones.
 
     The first timed call sets how many follow: as many as fit in ``budget_s`` (at least that one), so a call of
     several seconds is timed once. Its return value is dropped at once, so outputs do not pile up in the peak.
     """
-    for _ in range(warmup):
-        fn()
+    _warm_up(fn, device, warmup)
     if device.type == "cuda":
         return _measure_cuda(fn, device, reps, budget_s)
     return _measure_cpu(fn, reps, budget_s)
+
+
+def _warm_up(fn: Callable[[], object], device: torch.device, calls: int) -> None:
+    """``calls`` calls of ``fn``, then, while they have all taken less than :data:`WARMUP_S`, as many more as their
+    pace says fill it, queued and waited for a batch at a time."""
+    started, done, batch = time.perf_counter(), 0, calls
+    while batch:
+        for _ in range(batch):
+            fn()
+        done += batch
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - started
+        batch = 0 if elapsed >= WARMUP_S else min(10_000, int((WARMUP_S - elapsed) / (elapsed / done)) + 1)
 
 
 def _reps_within(first_ms: float, reps: int, budget_s: float) -> int:
@@ -85,7 +106,13 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` as the replay of a captured CUDA graph: the same kernels on the same tensors, without Python or
     launch overhead, as serving engines run decode steps. ``fn`` runs once on a side stream (warm-up, as capture
     requires), then once under capture; it must not synchronise with the host. Its outputs live in the graph's
-    memory, overwritten by each replay."""
+    memory, overwritten by each replay.
+
+    The replay holds ``fn``: a graph reads its inputs at the addresses captured, and keeps none of them alive.
+    Before session 34 the bench's decode rows handed over a step that alone held its cache (``functools.partial``
+    of the op and a freshly filled cache) and kept only ``graph.replay``: the cache went back to the allocator, the
+    L2 flush buffer allocated next took its memory, and the replays read keys the flush kept zeroing (SFA decode at
+    128K on an H100: 0.142 ms against 0.125 with the cache held; a replay series of two such steps faulted)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -94,4 +121,9 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.captured = fn  # what the graph reads stays alive while the replay does
+    return replay
