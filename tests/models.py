@@ -74,7 +74,8 @@ def tiny_config(arch: str, **overrides):
 def tiny_model(arch: str, seed: int = 0, attn_implementation: str | None = None, **overrides):
     """A fresh tiny model of ``arch`` in eval mode, fp32; the same ``seed`` gives the same weights.
 
-    ``attn_implementation`` None keeps transformers' default for the class (SDPA, or eager for Gemma-2)."""
+    ``attn_implementation`` None keeps transformers' default for the class (SDPA; for Gemma-2 eager since some
+    release after 5.17, SDPA before, which drops its softcap: a dense reference names eager)."""
     cls, config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = cls(config).eval()

@@ -16,12 +16,12 @@ try:
     from tests.integrations.test_sfa_cache import _generate, _step_logits
     from tests.integrations.test_sfa_compose import _logits, _one_thread  # noqa: F401 (an autouse fixture)
     from tests.integrations.test_transformers import _greedy_recompute
-    from tests.models import random_ids, tiny_model
+    from tests.models import random_ids, skip_without_cpu_kernels, tiny_model
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
     from integrations.test_sfa_cache import _generate, _step_logits
     from integrations.test_sfa_compose import _logits, _one_thread  # noqa: F401 (an autouse fixture)
     from integrations.test_transformers import _greedy_recompute
-    from models import random_ids, tiny_model
+    from models import random_ids, skip_without_cpu_kernels, tiny_model
 
 HEAD_DIM, TOPK, KV_HEADS = 16, 4, 2  # the tiny llama: 4 query heads, 2 KV heads of dim 16
 PROMPT = 20
@@ -128,6 +128,8 @@ def test_uncalibrated_weights_are_the_plain_rule():
 def test_every_backend_computes_the_weighted_codes(backend):
     """The layer hands every backend q and k already reduced to their weighted top-k, which each backend's plain
     top-k keeps as they are: the logits equal the reference backend's."""
+    if backend == "triton":
+        skip_without_cpu_kernels()
     reference = _calibrated(backend="reference")
     other = sa.compose(tiny_model("llama"), _config(backend=backend))
     other.load_state_dict(reference.state_dict())
