@@ -110,9 +110,9 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
 
     The replay holds ``fn``: a graph reads its inputs at the addresses captured, and keeps none of them alive.
     Before session 34 the bench's decode rows handed over a step that alone held its cache (``functools.partial``
-    of the op and a freshly filled cache) and kept only ``graph.replay``: the cache went back to the allocator, the
-    L2 flush buffer allocated next took its memory, and the replays read keys the flush kept zeroing (SFA decode at
-    128K on an H100: 0.142 ms against 0.125 with the cache held; a replay series of two such steps faulted)."""
+    of the op and a freshly filled cache) and kept only ``graph.replay``: the cache went back to the allocator
+    while the graph still read it, free for the L2 flush buffer allocated next (a probe that captured two such
+    steps faulted with an illegal address; the bench's decode times did not change once the cache was held)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

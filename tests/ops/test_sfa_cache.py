@@ -355,10 +355,11 @@ def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_fir
                                                                                              chunks, units):
     """The pool's counters after a step, whatever order the programs ran in: each unit handed out adds UNIT_KEYS
     once, and each program adds it once more when it is refused (the pool is empty) and stops, so every row
-    block's counter ends at (units + chunks) * UNIT_KEYS. Planned for two SMs (a wave of 20 programs at D = 64: two
-    chunks of 8 programs each) with the pool at short chunks: 1700 keys in 2 chunks and a pool of 2 units, the last cut mid-tile; and 20 keys, less than a tile, all in the pool
-    (chunks of 0 keys). Batch 2, 2 KV heads, each with 8 query heads x 2 queries = 16 rows in 2 row blocks of 8:
-    8 counters, each indexed by batch, KV head and row block."""
+    block's counter ends at (units + chunks) * UNIT_KEYS. Planned for two SMs (a wave of 20 programs at D = 64:
+    two chunks of 8 programs each) with the pool at short chunks: 1700 keys in 2 chunks and a pool of 2 units, the
+    last cut mid-tile; and 20 keys, less than a tile, all in the pool (chunks of 0 keys). Batch 2, 2 KV heads,
+    each with 8 query heads x 2 queries = 16 rows in 2 row blocks of 8: 8 counters, each indexed by batch, KV head
+    and row block."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     seen = _pooled_one_sm(monkeypatch, sms=2)
