@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 35, call E (same machine as call D, at once): how SFA's held-out perplexity after conversion depends on k.
+# Session 35, call E (same machine as ../../session35/call_d.sh, at once): how SFA's held-out perplexity after conversion depends on k.
 # The dense fine-tune of call B again (the teacher), then SFA at k = 24 and k = 32 by session 23's best recipe (as
 # call C's "pca" run, which was k = 16), side by side on the one GPU.
 set -u
