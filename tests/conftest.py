@@ -1,5 +1,5 @@
-"""Test session setup: without CUDA, the Triton kernels run in Triton's interpreter; every test runs with poisoned
-allocations (:func:`poisoned_allocations`).
+"""Test session setup: without CUDA, the Triton kernels run in Triton's interpreter (the run stops at once where the
+installed Triton and numpy cannot run it); every test runs with poisoned allocations (:func:`poisoned_allocations`).
 
 Triton picks the interpreter when a kernel is decorated, i.e. when its module is first imported, so the variable is
 set here, before any test module imports a kernel.
@@ -11,6 +11,18 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    """Stops the run at once where the interpreter is on but cannot run the kernels (an old Triton with a new
+    numpy): every interpreted kernel test would fail with the same opaque error."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from sieve_attn.ops.triton_common import interpreter_fault, triton
+
+    fault = triton is not None and interpreter_fault()
+    if fault:
+        pytest.exit(f"the Triton kernel tests cannot run: {fault}", returncode=4)
 
 
 def poison(tensor: torch.Tensor) -> torch.Tensor:

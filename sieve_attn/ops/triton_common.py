@@ -175,17 +175,40 @@ def softmax_finish(acc_t, l_t, m_i):
     return tl.trans(acc_t / tl.maximum(l_i, 1.0)[None, :]), lse
 
 
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def interpreter_fault(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter cannot run this package's kernels with the installed triton and numpy (or the
+    versions given), or None. Triton before 3.7 turns the interpreter's scalars, one-element arrays, into loop
+    bounds with ``int()``, which numpy 2.4 refuses for arrays of one dimension: every kernel whose key loop starts
+    at its program's offset fails with "only 0-dimensional arrays can be converted to Python scalars"
+    (triton-lang/triton#9171; fixed in 3.7)."""
+    if triton_version is None:
+        import numpy
+
+        triton_version, numpy_version = triton.__version__, numpy.__version__
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter cannot run with numpy {numpy_version} (Triton < 3.7 needs "
+                "numpy < 2.4, triton-lang/triton#9171): install 'numpy<2.4' or triton >= 3.7")
+    return None
+
+
 def kernel_blocker(q, attn_mask=None):
     """Why this package's Triton kernels cannot take ``q`` [..., D] (device, dtype, head dim) or a padding mask, or
     None when they can. Pure Python: callable without triton."""
-    import os
-
     import torch
 
     if triton is None:
         return "triton is not installed"
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if q.device.type != "cuda" and not interpreted:
         return f"the Triton kernels run on CUDA devices (or with TRITON_INTERPRET=1), q is on {q.device}"
+    fault = interpreter_fault() if interpreted else None
+    if fault:
+        return fault
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the Triton kernels take float16, bfloat16 or float32, q is {q.dtype}"
     head_dim = q.shape[-1]
