@@ -1,5 +1,6 @@
 # `make demo` and `make test` set up .venv on a fresh machine, then run. Override TORCH_SPEC to pick another torch
-# (the default is the CPU build this project's machines install offline).
+# (the default is the CPU build this project's machines install offline). torch 2.11 brings Triton 3.6, whose CPU
+# interpreter needs numpy < 2.4 (the tests stop and say so): then also run `.venv/bin/pip install 'numpy<2.4'`.
 PYTHON ?= python3
 VENV := .venv
 TORCH_SPEC ?= torch==2.13.0
