@@ -45,7 +45,7 @@ def compile_sfa(module, topk: int):
     packed = (topk * 7 + 7) // 8
     constants = dict(HEAD_DIM=HEAD_DIM, TOPK=topk, INDEX_BITS=7, NBYTES=packed, BLOCK_M=ROWS,
                      BLOCK_N=KEYS_PER_TILE, PER_WORD=4, VALUE_DTYPE=tl.bfloat16, NATIVE_DOT=True, V_TMA=True,
-                     UNIT_KEYS=module._UNIT_TILES * KEYS_PER_TILE, PREFETCH_TILES=module._PREFETCH_TILES)
+                     UNIT_LEVELS=module._UNIT_TILES.bit_length(), PREFETCH_TILES=module._PREFETCH_TILES)
     pointers = dict(Q="*bf16", TABLE="*bf16", COUNTERS="*i32", IDX="*u8", VAL="*i64", V="*bf16", O="*fp32",
                     LSE="*fp32", V_DESC=f"tensordesc<bf16[1, 1, {KEYS_PER_TILE}, {HEAD_DIM}]>", scale="fp32")
     return compile_launch(kernel, constants, pointers, launch_values(topk, packed), num_warps=1, num_stages=5)

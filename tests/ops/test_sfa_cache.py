@@ -21,7 +21,7 @@ from sieve_attn.ops.sfa.cache import (SFAKeyCache, dense_bytes_per_token, index_
                                       packed_bytes, unpack_indices)
 from sieve_attn.ops import split_k  # noqa: E402
 from sieve_attn.ops.sfa.codes import densify, index_dtype, sparse_codes, sparsify  # noqa: E402
-from sieve_attn.ops.sfa.decode import (sfa_decode, sfa_decode_reference, sfa_decode_triton,  # noqa: E402
+from sieve_attn.ops.sfa.decode import (pool_units, sfa_decode, sfa_decode_reference, sfa_decode_triton,  # noqa: E402
                                        sparse_query_table)
 from sieve_attn.ops.sfa.reference import sfa_attention_reference  # noqa: E402
 from sieve_attn.ops.triton_common import kernel_blocker  # noqa: E402
@@ -322,7 +322,7 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
                         pooled=decode_module._POOLED if several_tiles else 0.0)
     if several_tiles:
         assert work.chunks >= 2 and work.chunk_keys >= 2 * block_n and k_len % block_n != 0
-        assert k_len - work.chunks * work.chunk_keys > decode_module._UNIT_TILES * block_n
+        assert len(pool_units(-(-(k_len - work.chunks * work.chunk_keys) // block_n))) > 1
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
     q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
@@ -346,65 +346,80 @@ def _pooled_one_sm(monkeypatch, sms: int = 1):
     return seen
 
 
-POOL_UNIT_KEYS = decode_module._UNIT_TILES * decode_module._BLOCK_N
-
-
-@pytest.mark.parametrize("k_len, chunks, units", [(1700, 2, 2), (20, 1, 1)],
-                         ids=["two-units", "all-pooled-under-a-tile"])
+@pytest.mark.parametrize("k_len, chunks, units", [(1700, 2, [2, 1, 1, 1, 1]), (20, 1, [1])],
+                         ids=["shrinking-units", "all-pooled-under-a-tile"])
 def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_first_refusal(monkeypatch, k_len,
                                                                                              chunks, units):
-    """The pool's counters after a step, whatever order the programs ran in: each unit handed out adds UNIT_KEYS
-    once, and each program adds it once more when it is refused (the pool is empty) and stops, so every row
-    block's counter ends at (units + chunks) * UNIT_KEYS. Planned for two SMs (a wave of 20 programs at D = 64:
-    two chunks of 8 programs each) with the pool at short chunks: 1700 keys in 2 chunks and a pool of 2 units, the
-    last cut mid-tile; and 20 keys, less than a tile, all in the pool (chunks of 0 keys). Batch 2, 2 KV heads,
-    each with 8 query heads x 2 queries = 16 rows in 2 row blocks of 8: 8 counters, each indexed by batch, KV head
-    and row block."""
+    """The pool's counters after a step, whatever order the programs ran in: each unit handed out counts one
+    request, and each program one more when it is refused (the pool is empty) and stops, so every row block's
+    counter ends at units + chunks. Planned for two SMs (a wave of 20 programs at D = 64: two chunks of 8 programs
+    each) with the pool at short chunks: 1700 keys in 2 chunks and a pool of 6 tiles, which pool_units hands out as
+    a unit of 2 tiles and 4 of one, the last cut mid-tile; and 20 keys, less than a tile, all in the pool (chunks of
+    0 keys). Batch 2, 2 KV heads, each with 8 query heads x 2 queries = 16 rows in 2 row blocks of 8: 8 counters,
+    each indexed by batch, KV head and row block."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     seen = _pooled_one_sm(monkeypatch, sms=2)
     batch, q_heads, kv_heads, q_len, head_dim, topk = 2, 16, 2, 2, 64, 8
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=decode_module._BLOCK_N,
+    block_n = decode_module._BLOCK_N
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
                         programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
     pool = k_len - work.chunks * work.chunk_keys
-    assert (work.row_blocks, work.chunks, -(-pool // POOL_UNIT_KEYS)) == (2, chunks, units)
-    assert pool % decode_module._BLOCK_N != 0  # the last unit cut mid-tile
+    assert (work.row_blocks, work.chunks, pool_units(-(-pool // block_n))) == (2, chunks, units)
+    assert pool % block_n != 0  # the last unit cut mid-tile
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
     q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
     out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
     (_, counters), = seen
-    assert counters.tolist() == [(units + chunks) * POOL_UNIT_KEYS] * (batch * kv_heads * work.row_blocks)
+    assert counters.tolist() == [len(units) + chunks] * (batch * kv_heads * work.row_blocks)
 
 
-def test_a_unit_another_program_took_is_not_taken_again(monkeypatch):
-    """Where a unit of the pool is handed out, only the program that got it reads its keys: with the counters set
-    to one unit after the query-table launch, as if another program had taken the pool's first unit (the
-    interpreter runs programs one after another, so otherwise the first takes all), the step's output is SFA over
-    every key but that unit's. One query (it attends every key, so the keys left are a plain set), 1700 keys in 5
-    chunks and a pool of 3 units."""
+def test_pool_units_halve_down_to_single_tiles_and_cover_the_pool():
+    """pool_units: about half the pool in units of the largest size, half of the rest in units of half that, down
+    to single tiles, in that order, summing to the pool; a pool too small for a large unit starts smaller."""
+    assert pool_units(27, largest=4) == [4, 4, 4] + [2, 2, 2] + [1] * 9
+    assert pool_units(6, largest=4) == [2, 1, 1, 1, 1]
+    assert pool_units(1, largest=4) == [1] and pool_units(0, largest=4) == []
+    assert pool_units(5, largest=1) == [1] * 5
+    for tiles in range(200):
+        sizes = pool_units(tiles)
+        assert sum(sizes) == tiles and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("taken", [1, 4], ids=["first-unit-taken", "all-but-the-last-taken"])
+def test_units_other_programs_took_are_not_taken_again(monkeypatch, taken):
+    """Where units of the pool are handed out, only the program that got each reads its keys, and the kernel hands
+    out the units of pool_units: with the counters set after the query-table launch as if other programs had taken
+    the pool's first ``taken`` units (the interpreter runs programs one after another, so otherwise the first takes
+    all), the step's output is SFA over every key but those units' (the first: 4 tiles; all but the last: 4 + 2 + 1
+    + 1 tiles, leaving the last, cut at the cache's end). One query (it attends every key, so the keys left are a
+    plain set), 1700 keys in 5 chunks and a pool of 9 tiles."""
     if KERNEL_BLOCKER:
         pytest.skip(KERNEL_BLOCKER)
     seen = _pooled_one_sm(monkeypatch)
     original = decode_module.sparse_query_table
 
-    def first_unit_taken(*args):
+    def units_taken(*args):
         table, counters = original(*args)
-        counters.fill_(POOL_UNIT_KEYS)
+        counters.fill_(taken)
         return table, counters
 
-    monkeypatch.setattr(decode_module, "sparse_query_table", first_unit_taken)
+    monkeypatch.setattr(decode_module, "sparse_query_table", units_taken)
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 1, 1700, 64, 8
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=decode_module._BLOCK_N,
+    block_n = decode_module._BLOCK_N
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
                         programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
-    taken = slice(work.chunks * work.chunk_keys, work.chunks * work.chunk_keys + POOL_UNIT_KEYS)
-    assert taken.stop < k_len and not seen
+    pool_start = work.chunks * work.chunk_keys
+    assert (work.chunks, pool_units(-(-(k_len - pool_start) // block_n))) == (5, [4, 2, 1, 1, 1])
+    taken_keys = sum(pool_units(-(-(k_len - pool_start) // block_n))[:taken]) * block_n
+    assert not seen
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
     q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
     out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
-    kept = torch.cat([torch.arange(taken.start), torch.arange(taken.stop, k_len)]).to(DEVICE)
+    kept = torch.cat([torch.arange(pool_start), torch.arange(pool_start + taken_keys, k_len)]).to(DEVICE)
     assert_sfa_of_the_dense_keys(out, lse, q, k[:, :, kept], v[:, :, kept], topk)
 
 
@@ -422,7 +437,7 @@ def test_pooled_plan_leaves_at_least_its_fraction_to_the_pool_in_whole_tiles():
         assert pooled.chunk_keys % block_n == 0 and pooled.block_m == fixed.block_m
         assert pooled.chunks == min(tiles, 132) and tiles - pooled.chunks * pooled.chunk_keys // block_n >= 0.1 * tiles
         takes_pool = fixed.chunk_keys >= decode_module._POOL_FROM_TILES * block_n
-        assert takes_pool == (k_len >= 131072)
+        assert takes_pool == (k_len >= 32768)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
