@@ -12,14 +12,15 @@ keys the cache was built from. Two backends compute it:
   (G = Hq / Hkv) side by side under each coordinate; then one program per (batch, KV head, chunk of keys) takes all
   of them, so every code and every V row is read from memory once; on long caches the keys past the chunks (at
   least a tenth) are a pool that the programs take over as they finish their chunks, in units that shrink to
-  single tiles as it drains (:func:`_sfa_decode_chunk`, :func:`pool_units`). The score tile is [keys, rows], one key per thread: the thread reads its key's packed
-  indices as the 4-byte words that hold them (:func:`_index_word`) and its values as 8-byte words, and per code t <
-  topk one vector load fetches the rows' table entries at index t (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays
-  in L1): score = scale * sum_t q~[idx_t] * val_t, the dot of the sparse query with the densified key, which is never
-  built. The tile stays keys-major through the online softmax (base 2, denominators in per-slot partial sums) and P @
-  V, issued as V^T @ P^T on tensor cores (:func:`..triton_common.softmax_step`); the V tile comes through the TMA copy
-  engine where the GPU has one. The chunks' partials merge by log-sum-exp (:func:`..split_k.merge`); on GPUs with
-  programmatic dependent launch the decode and merge kernels are scheduled while the kernel before them drains.
+  single tiles as it drains (:func:`_sfa_decode_chunk`, :func:`pool_units`). The score tile is [keys, rows], one
+  key per thread: the thread reads its key's packed indices as the 4-byte words that hold them (:func:`_index_word`)
+  and its values as 8-byte words, and per code t < topk one vector load fetches the rows' table entries at index t
+  (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1): score = scale * sum_t q~[idx_t] * val_t, the dot of
+  the sparse query with the densified key, which is never built. The tile stays keys-major through the online
+  softmax (base 2, denominators in per-slot partial sums) and P @ V, issued as V^T @ P^T on tensor cores
+  (:func:`..triton_common.softmax_step`); the V tile comes through the TMA copy engine where the GPU has one. The
+  chunks' partials merge by log-sum-exp (:func:`..split_k.merge`); on GPUs with programmatic dependent launch the
+  decode and merge kernels are scheduled while the kernel before them drains.
 
 Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :func:`.cache.index_bits` (D) = 7):
 

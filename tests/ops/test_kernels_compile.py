@@ -1,0 +1,130 @@
+"""Every Triton kernel the library launches compiles for a Hopper GPU (sm_90), checked on a machine without one.
+
+The CPU tests run the kernels in Triton's interpreter, which accepts code the compiler does not; here each op runs
+once under the interpreter (bfloat16, GQA, causal, forward and backward where it has one) while
+:func:`.gpu_compile.record_launches` notes its launches, and a second process, where the kernels are compiled
+rather than interpreted, compiles them for sm_90 (:func:`.gpu_compile.compile_launches`; what differs from a GPU's
+launch is said there). On a CUDA machine the kernels are compiled for the local GPU by every other test, so this
+one is for CPU CI only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from sieve_attn.ops.focus import segments as group_sort  # noqa: E402
+from sieve_attn.ops.focus.attention import focus_attention  # noqa: E402
+from sieve_attn.ops.focus.decode import focus_decode  # noqa: E402
+from sieve_attn.ops.focus.reference import group_bits  # noqa: E402
+from sieve_attn.ops.gather import gather_rows_triton  # noqa: E402
+from sieve_attn.ops.magnitude import largest_magnitudes_triton  # noqa: E402
+from sieve_attn.ops.merge import merge_indexed_triton  # noqa: E402
+from sieve_attn.ops.sfa.attention import sfa_attention  # noqa: E402
+from sieve_attn.ops.sfa.cache import SFAKeyCache  # noqa: E402
+from sieve_attn.ops.sfa.decode import sfa_decode  # noqa: E402
+from sieve_attn.ops.sfa.flash_sfa import dense_cuda_core_attention  # noqa: E402
+from sieve_attn.ops.triton_common import is_interpreted  # noqa: E402
+
+from .gpu_compile import record_launches  # noqa: E402
+
+from sieve_attn.ops.sfa import flash_sfa  # noqa: E402  (only to ask whether the kernels are interpreted)
+
+pytestmark = pytest.mark.skipif(not is_interpreted(flash_sfa._fwd_kernel),
+                                reason="the kernels are compiled for the local GPU by the other tests")
+BF16 = torch.bfloat16
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _qkv(q_heads=4, kv_heads=2, length=40, head_dim=64, grad=False):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, head_dim, generator=gen).to(BF16).requires_grad_(grad)
+               for heads in (q_heads, kv_heads, kv_heads))
+    return q, k, v
+
+
+def flash_sfa_forward_and_backward():
+    """FlashSFA, and the bench's like-for-like dense kernel (the same forward kernel, dense scores)."""
+    q, k, v = _qkv(grad=True)
+    for softcap in (None, 30.0):
+        sfa_attention(q, k, v, topk=8, causal=True, softcap=softcap, backend="triton").float().sum().backward()
+    with torch.no_grad():
+        dense_cuda_core_attention(q, k, v, causal=True)
+
+
+def sfa_decode_step():
+    q, k, v = _qkv(q_heads=8, kv_heads=2, length=70, head_dim=128)
+    cache = SFAKeyCache(1, 2, 128, topk=16, dtype=BF16, device=q.device)
+    cache.append(k, v)
+    sfa_decode(q[:, :, -1:], cache, backend="triton")
+
+
+def focus_forward_and_backward():
+    q, k, v = _qkv(length=70, grad=True)
+    groups = torch.randint(0, 4, (1, 70), generator=torch.Generator().manual_seed(1))
+    for softcap in (None, 30.0):
+        focus_attention(q, k, v, groups, window=16, softcap=softcap, backend="triton").float().sum().backward()
+
+
+def focus_decode_step():
+    q, k, v = _qkv(q_heads=8, kv_heads=2, length=70, head_dim=128)
+    groups = torch.randint(0, 4, (1, 70, 2), generator=torch.Generator().manual_seed(1))  # two memberships
+    focus_decode(q[:, :, -1:], k, v, group_bits(groups), window=16, scale=128 ** -0.5)
+
+
+def sdpa_backend_helpers():
+    """The kernels of the sdpa backends, which serve CUDA tensors only: the sort of the tokens by group (three
+    memberships per token, some slots empty), and the gather, magnitude and merge kernels."""
+    ids = torch.randint(-1, 4, (1, 50, 3), generator=torch.Generator().manual_seed(2))
+    ids[..., 0] = ids[..., 0].clamp(min=0)
+    group_sort.start(ids, 4, False, lambda sizes: sizes.tolist).finish()
+    q, k, _ = _qkv()
+    gather_rows_triton(k, torch.tensor([3, -1, 7, 0]), 2, 2, factor=0.5, dtype=torch.float16)
+    largest_magnitudes_triton([q, k])
+    out, lse = torch.zeros(1, 4, 6, 64), torch.zeros(1, 4, 6)
+    part_out, part_lse = torch.randn(2, 4, 3, 64), torch.randn(2, 4, 3)
+    merge_indexed_triton(out, lse, part_out, part_lse, torch.tensor([0, 5, -1, 2, 1, 3]))
+
+
+OPS = [flash_sfa_forward_and_backward, sfa_decode_step, focus_forward_and_backward, focus_decode_step,
+       sdpa_backend_helpers]
+
+
+def launched_in_the_library() -> set[tuple[str, str]]:
+    """(module, kernel) of every launch written in the package's source: ``_kernel[(...)](`` or ``_kernel[grid](``."""
+    found = set()
+    for path in (REPO / "sieve_attn").rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        found |= {(module, name) for name in re.findall(r"\b(_\w+)\[(?:\(|grid\]\()", path.read_text())}
+    return found
+
+
+def test_the_ops_here_launch_every_kernel_of_the_library():
+    """So that a new kernel cannot miss the compile check: each launch in the source is among those the ops above
+    make."""
+    recorded = set()
+    for op in OPS:
+        with record_launches() as launches:
+            op()
+        recorded |= {(launch["module"], launch["name"]) for launch in launches}
+    assert launched_in_the_library() - recorded == set()
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op.__name__ for op in OPS])
+def test_every_kernel_the_op_launches_compiles_for_sm90(op):
+    with record_launches() as launches:
+        op()
+    assert launches, f"{op.__name__} launched no Triton kernel"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    compiled = subprocess.run([sys.executable, "-m", "tests.ops.gpu_compile"], input=json.dumps(launches),
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert compiled.stdout == "", f"{len(launches)} launches, these failed to compile:\n{compiled.stdout}"
