@@ -10,8 +10,8 @@ launches as JSON on stdin), compiles each for ``GPUTarget("cuda", 90, 32)`` with
 wheel, so PTX and SASS generation run too.
 
 What differs from a launch on the GPU: the shapes are the CPU tests' (tile sizes an op picks for the interpreter
-stay), and the constexprs that pick tensor-core dots are set as a GPU sets them for 16-bit inputs
-(:data:`GPU_SETTINGS`), since the interpreter asks for exact float32 products instead.
+stay), and the constexprs that pick tensor-core dots (:data:`NATIVE_DOTS`) are set as a GPU sets them for the
+inputs' dtype (True for 16-bit ones), since the interpreter asks for exact float32 products whatever the dtype.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import json
 import sys
 from contextlib import contextmanager
 
-# Constexprs that an op sets for the interpreter's sake, and their value on a GPU for 16-bit inputs: tensor-core dots
-# (the interpreter's 16-bit tl.dot multiplies bit patterns, triton_common.dot).
-GPU_SETTINGS = {"NATIVE": True, "NATIVE_DOT": True}
+# The constexprs by which a kernel takes its dots on tensor cores (16-bit inputs on a GPU) or as exact float32
+# products (float32 inputs, and the interpreter, whose 16-bit tl.dot multiplies bit patterns: triton_common.dot).
+NATIVE_DOTS = ("NATIVE", "NATIVE_DOT")
 
 
 def _encode(value):
@@ -44,9 +44,10 @@ def _decode(value):
     return tl.dtype(value["dtype"]) if isinstance(value, dict) else value
 
 
-def describe_launch(kernel, args: tuple, kwargs: dict) -> dict:
+def describe_launch(kernel, args: tuple, kwargs: dict, native_dots: bool) -> dict:
     """One launch of ``kernel`` (an interpreted Triton function) with these arguments, as the GPU launcher would
-    specialise it: {"module", "name", "signature", "constexprs", "divisible" (argument indices), "options"}."""
+    specialise it, with :data:`NATIVE_DOTS` set to ``native_dots``: {"module", "name", "signature", "constexprs",
+    "divisible" (argument indices), "options"}."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
@@ -57,7 +58,7 @@ def describe_launch(kernel, args: tuple, kwargs: dict) -> dict:
     for index, name in enumerate(kernel.arg_names):
         value = values.get(name, parameters[name].default)
         if "constexpr" in str(parameters[name].annotation):
-            kind, key = "constexpr", GPU_SETTINGS.get(name, value)
+            kind, key = "constexpr", native_dots if name in NATIVE_DOTS else value
         else:
             kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
         signature[name] = kind
@@ -71,15 +72,16 @@ def describe_launch(kernel, args: tuple, kwargs: dict) -> dict:
 
 
 @contextmanager
-def record_launches():
+def record_launches(native_dots: bool):
     """Within the block, every launch of an interpreted kernel is also appended, described
-    (:func:`describe_launch`), to the list this yields, once per distinct specialisation."""
+    (:func:`describe_launch`) with the dots a GPU would take (``native_dots``: True for 16-bit inputs), to the list
+    this yields, once per distinct specialisation."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launches, run = [], InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        launch = describe_launch(self, args, kwargs)
+        launch = describe_launch(self, args, kwargs, native_dots)
         if launch not in launches:
             launches.append(launch)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)

@@ -1,7 +1,7 @@
 """Every Triton kernel the library launches compiles for a Hopper GPU (sm_90), checked on a machine without one.
 
 The CPU tests run the kernels in Triton's interpreter, which accepts code the compiler does not; here each op runs
-once under the interpreter (bfloat16, GQA, causal, forward and backward where it has one) while
+once under the interpreter (bfloat16 and float32, GQA, causal, forward and backward where it has one) while
 :func:`.gpu_compile.record_launches` notes its launches, and a second process, where the kernels are compiled
 rather than interpreted, compiles them for sm_90 (:func:`.gpu_compile.compile_launches`; what differs from a GPU's
 launch is said there). On a CUDA machine the kernels are compiled for the local GPU by every other test, so this
@@ -39,53 +39,53 @@ from sieve_attn.ops.sfa import flash_sfa  # noqa: E402  (only to ask whether the
 
 pytestmark = pytest.mark.skipif(not is_interpreted(flash_sfa._fwd_kernel),
                                 reason="the kernels are compiled for the local GPU by the other tests")
-BF16 = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _qkv(q_heads=4, kv_heads=2, length=40, head_dim=64, grad=False):
+def _qkv(dtype, q_heads=4, kv_heads=2, length=40, head_dim=64, grad=False):
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, length, head_dim, generator=gen).to(BF16).requires_grad_(grad)
+    q, k, v = (torch.randn(1, heads, length, head_dim, generator=gen).to(dtype).requires_grad_(grad)
                for heads in (q_heads, kv_heads, kv_heads))
     return q, k, v
 
 
-def flash_sfa_forward_and_backward():
+def flash_sfa_forward_and_backward(dtype):
     """FlashSFA, and the bench's like-for-like dense kernel (the same forward kernel, dense scores)."""
-    q, k, v = _qkv(grad=True)
+    q, k, v = _qkv(dtype, grad=True)
     for softcap in (None, 30.0):
         sfa_attention(q, k, v, topk=8, causal=True, softcap=softcap, backend="triton").float().sum().backward()
     with torch.no_grad():
         dense_cuda_core_attention(q, k, v, causal=True)
 
 
-def sfa_decode_step():
-    q, k, v = _qkv(q_heads=8, kv_heads=2, length=70, head_dim=128)
-    cache = SFAKeyCache(1, 2, 128, topk=16, dtype=BF16, device=q.device)
+def sfa_decode_step(dtype):
+    q, k, v = _qkv(dtype, q_heads=8, kv_heads=2, length=70, head_dim=128)
+    cache = SFAKeyCache(1, 2, 128, topk=16, dtype=dtype, device=q.device)
     cache.append(k, v)
     sfa_decode(q[:, :, -1:], cache, backend="triton")
 
 
-def focus_forward_and_backward():
-    q, k, v = _qkv(length=70, grad=True)
+def focus_forward_and_backward(dtype):
+    q, k, v = _qkv(dtype, length=70, grad=True)
     groups = torch.randint(0, 4, (1, 70), generator=torch.Generator().manual_seed(1))
     for softcap in (None, 30.0):
         focus_attention(q, k, v, groups, window=16, softcap=softcap, backend="triton").float().sum().backward()
 
 
-def focus_decode_step():
-    q, k, v = _qkv(q_heads=8, kv_heads=2, length=70, head_dim=128)
+def focus_decode_step(dtype):
+    q, k, v = _qkv(dtype, q_heads=8, kv_heads=2, length=70, head_dim=128)
     groups = torch.randint(0, 4, (1, 70, 2), generator=torch.Generator().manual_seed(1))  # two memberships
     focus_decode(q[:, :, -1:], k, v, group_bits(groups), window=16, scale=128 ** -0.5)
 
 
-def sdpa_backend_helpers():
+def sdpa_backend_helpers(dtype):
     """The kernels of the sdpa backends, which serve CUDA tensors only: the sort of the tokens by group (three
     memberships per token, some slots empty), and the gather, magnitude and merge kernels."""
     ids = torch.randint(-1, 4, (1, 50, 3), generator=torch.Generator().manual_seed(2))
     ids[..., 0] = ids[..., 0].clamp(min=0)
     group_sort.start(ids, 4, False, lambda sizes: sizes.tolist).finish()
-    q, k, _ = _qkv()
+    q, k, _ = _qkv(dtype)
     gather_rows_triton(k, torch.tensor([3, -1, 7, 0]), 2, 2, factor=0.5, dtype=torch.float16)
     largest_magnitudes_triton([q, k])
     out, lse = torch.zeros(1, 4, 6, 64), torch.zeros(1, 4, 6)
@@ -111,16 +111,17 @@ def test_the_ops_here_launch_every_kernel_of_the_library():
     make."""
     recorded = set()
     for op in OPS:
-        with record_launches() as launches:
-            op()
+        with record_launches(native_dots=True) as launches:
+            op(torch.bfloat16)
         recorded |= {(launch["module"], launch["name"]) for launch in launches}
     assert launched_in_the_library() - recorded == set()
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("op", OPS, ids=[op.__name__ for op in OPS])
-def test_every_kernel_the_op_launches_compiles_for_sm90(op):
-    with record_launches() as launches:
-        op()
+def test_every_kernel_the_op_launches_compiles_for_sm90(op, dtype):
+    with record_launches(native_dots=dtype != torch.float32) as launches:
+        op(dtype)
     assert launches, f"{op.__name__} launched no Triton kernel"
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
