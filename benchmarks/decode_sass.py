@@ -27,6 +27,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sieve_attn.ops.sfa.pool import unit_levels
+
 HEAD_DIM, ROWS, KEYS_PER_TILE, CACHED, KV_HEADS, GROUP = 128, 4, 32, 131072, 8, 4
 
 
@@ -45,7 +47,8 @@ def compile_sfa(module, topk: int):
     packed = (topk * 7 + 7) // 8
     constants = dict(HEAD_DIM=HEAD_DIM, TOPK=topk, INDEX_BITS=7, NBYTES=packed, BLOCK_M=ROWS,
                      BLOCK_N=KEYS_PER_TILE, PER_WORD=4, VALUE_DTYPE=tl.bfloat16, NATIVE_DOT=True, V_TMA=True,
-                     UNIT_LEVELS=module._UNIT_TILES.bit_length(), PREFETCH_TILES=module._PREFETCH_TILES)
+                     UNIT_LEVELS=unit_levels(module._UNIT_TILES), UNIT_KEYS=module._UNIT_TILES * KEYS_PER_TILE,
+                     PREFETCH_TILES=module._PREFETCH_TILES)
     pointers = dict(Q="*bf16", TABLE="*bf16", COUNTERS="*i32", IDX="*u8", VAL="*i64", V="*bf16", O="*fp32",
                     LSE="*fp32", V_DESC=f"tensordesc<bf16[1, 1, {KEYS_PER_TILE}, {HEAD_DIM}]>", scale="fp32")
     return compile_launch(kernel, constants, pointers, launch_values(topk, packed), num_warps=1, num_stages=5)

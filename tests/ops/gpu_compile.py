@@ -4,14 +4,15 @@ Why: CPU CI runs every kernel in Triton's interpreter, which executes the kernel
 compiler rejects (a ``tl.constexpr`` reassigned in a ``static_range`` loop ran in every CPU test of session 36 and
 failed to compile on the GPU). This closes that gap without a GPU: :func:`record_launches` runs an op under the
 interpreter and notes each launch as the GPU launcher would specialise it (argument types, 16-byte divisibility,
-integers equal to 1 as constants, the constexprs, ``num_warps`` and ``num_stages``); :func:`compile_launches`, in a
+integers equal to 1 as constants, the constexprs, the launch options); :func:`compile_launches`, in a
 process where the kernels are compiled rather than interpreted (``python -m tests.ops.gpu_compile`` reads the
 launches as JSON on stdin), compiles each for ``GPUTarget("cuda", 90, 32)`` with the ptxas bundled in Triton's
 wheel, so PTX and SASS generation run too.
 
 What differs from a launch on the GPU: the shapes are the CPU tests' (tile sizes an op picks for the interpreter
-stay), and the constexprs that pick tensor-core dots (:data:`NATIVE_DOTS`) are set as a GPU sets them for the
-inputs' dtype (True for 16-bit ones), since the interpreter asks for exact float32 products whatever the dtype.
+stay), ``do_not_specialize`` is not mirrored (no kernel here uses it), and the constexprs that pick tensor-core
+dots (:data:`NATIVE_DOTS`) are set as a GPU sets them for the inputs' dtype (True for 16-bit ones), since the
+interpreter asks for exact float32 products whatever the dtype.
 """
 from __future__ import annotations
 
@@ -94,8 +95,9 @@ def record_launches(native_dots: bool):
 
 
 def compile_launches(launches: list[dict]) -> list[str]:
-    """Compiles each launch for sm_90; returns one line per launch that failed ("module.kernel: error"). Call
-    where the kernels are compiled, not interpreted (TRITON_INTERPRET unset when their modules were imported)."""
+    """Compiles each launch for sm_90; returns one line per launch that failed ("module.kernel: error"), a launch
+    with a keyword argument that is neither a parameter of its kernel nor a compile option included. Call where the
+    kernels are compiled, not interpreted (TRITON_INTERPRET unset when their modules were imported)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDAOptions
@@ -105,15 +107,20 @@ def compile_launches(launches: list[dict]) -> list[str]:
     option_names = {field.name for field in dataclasses.fields(CUDAOptions)}
     failures = []
     for launch in launches:
+        where = f"{launch['module']}.{launch['name']}"
+        # The interpreter drops a keyword that is neither a parameter nor an option; the GPU launcher refuses it.
+        unknown = sorted(set(launch["options"]) - option_names)
+        if unknown:
+            failures.append(f"{where}: keyword arguments it does not take: {', '.join(unknown)}")
+            continue
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         constexprs = {name: _decode(value) for name, value in launch["constexprs"].items()}
         attrs = {(index,): [["tt.divisibility", 16]] for index in launch["divisible"]}
-        options = {name: value for name, value in launch["options"].items() if name in option_names}
         try:
             triton.compile(ASTSource(kernel, launch["signature"], constexprs=constexprs, attrs=attrs),
-                           target=target, options=options)
+                           target=target, options=launch["options"])
         except Exception as error:  # noqa: BLE001 -- every compiler failure is reported, with its kernel
-            failures.append(f"{launch['module']}.{launch['name']}: {type(error).__name__}: {error}")
+            failures.append(f"{where}: {type(error).__name__}: {error}")
     return failures
 
 

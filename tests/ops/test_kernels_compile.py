@@ -27,6 +27,7 @@ from sieve_attn.ops.focus.reference import group_bits  # noqa: E402
 from sieve_attn.ops.gather import gather_rows_triton  # noqa: E402
 from sieve_attn.ops.magnitude import largest_magnitudes_triton  # noqa: E402
 from sieve_attn.ops.merge import merge_indexed_triton  # noqa: E402
+from sieve_attn.ops.sfa import flash_sfa  # noqa: E402
 from sieve_attn.ops.sfa.attention import sfa_attention  # noqa: E402
 from sieve_attn.ops.sfa.cache import SFAKeyCache  # noqa: E402
 from sieve_attn.ops.sfa.decode import sfa_decode  # noqa: E402
@@ -34,8 +35,6 @@ from sieve_attn.ops.sfa.flash_sfa import dense_cuda_core_attention  # noqa: E402
 from sieve_attn.ops.triton_common import is_interpreted  # noqa: E402
 
 from .gpu_compile import record_launches  # noqa: E402
-
-from sieve_attn.ops.sfa import flash_sfa  # noqa: E402  (only to ask whether the kernels are interpreted)
 
 # Triton's wheels carry the NVIDIA backend and its ptxas; a build without them compiles for no GPU.
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -101,7 +100,9 @@ OPS = [flash_sfa_forward_and_backward, sfa_decode_step, focus_forward_and_backwa
 
 
 def launched_in_the_library() -> set[tuple[str, str]]:
-    """(module, kernel) of every launch written in the package's source: ``_kernel[(...)](`` or ``_kernel[grid](``."""
+    """(module, kernel) of every launch written in the package's source as ``_kernel[(...)](`` or
+    ``_kernel[grid](``, the forms it uses (a kernel launched through another name, or from another module than its
+    own, would need this to learn that form)."""
     found = set()
     for path in (REPO / "sieve_attn").rglob("*.py"):
         module = ".".join(path.relative_to(REPO).with_suffix("").parts)

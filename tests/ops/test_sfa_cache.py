@@ -21,10 +21,14 @@ from sieve_attn.ops.sfa.cache import (SFAKeyCache, dense_bytes_per_token, index_
                                       packed_bytes, unpack_indices)
 from sieve_attn.ops import split_k  # noqa: E402
 from sieve_attn.ops.sfa.codes import densify, index_dtype, sparse_codes, sparsify  # noqa: E402
-from sieve_attn.ops.sfa.decode import (pool_units, sfa_decode, sfa_decode_reference, sfa_decode_triton,  # noqa: E402
+from sieve_attn.ops.sfa.decode import (sfa_decode, sfa_decode_reference, sfa_decode_triton,  # noqa: E402
                                        sparse_query_table)
+from sieve_attn.ops.sfa.pool import pool_unit, pool_units, unit_levels  # noqa: E402
 from sieve_attn.ops.sfa.reference import sfa_attention_reference  # noqa: E402
-from sieve_attn.ops.triton_common import kernel_blocker  # noqa: E402
+from sieve_attn.ops.triton_common import kernel_blocker, triton  # noqa: E402
+
+if triton is not None:
+    import triton.language as tl
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 KERNEL_BLOCKER = kernel_blocker(torch.empty(1, 1, 1, 32, device=DEVICE))
@@ -322,12 +326,17 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
                         pooled=decode_module._POOLED if several_tiles else 0.0)
     if several_tiles:
         assert work.chunks >= 2 and work.chunk_keys >= 2 * block_n and k_len % block_n != 0
-        assert len(pool_units(-(-(k_len - work.chunks * work.chunk_keys) // block_n))) > 1
+        assert len(units_of_pool(k_len - work.chunks * work.chunk_keys)) > 1
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
     q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
     out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
+
+
+def units_of_pool(keys: int) -> list[int]:
+    """The decode step's units (tiles) for a pool of ``keys`` keys."""
+    return pool_units(-(-keys // decode_module._BLOCK_N), decode_module._UNIT_TILES)
 
 
 def _pooled_one_sm(monkeypatch, sms: int = 1):
@@ -365,7 +374,7 @@ def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_fir
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
                         programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
     pool = k_len - work.chunks * work.chunk_keys
-    assert (work.row_blocks, work.chunks, pool_units(-(-pool // block_n))) == (2, chunks, units)
+    assert (work.row_blocks, work.chunks, units_of_pool(pool)) == (2, chunks, units)
     assert pool % block_n != 0  # the last unit cut mid-tile
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
@@ -378,14 +387,50 @@ def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_fir
 
 def test_pool_units_halve_down_to_single_tiles_and_cover_the_pool():
     """pool_units: about half the pool in units of the largest size, half of the rest in units of half that, down
-    to single tiles, in that order, summing to the pool; a pool too small for a large unit starts smaller."""
+    to single tiles, in that order, summing to the pool; a pool too small for a large unit starts smaller; the
+    largest unit must be a power of two."""
     assert pool_units(27, largest=4) == [4, 4, 4] + [2, 2, 2] + [1] * 9
     assert pool_units(6, largest=4) == [2, 1, 1, 1, 1]
     assert pool_units(1, largest=4) == [1] and pool_units(0, largest=4) == []
     assert pool_units(5, largest=1) == [1] * 5
     for tiles in range(200):
-        sizes = pool_units(tiles)
+        sizes = pool_units(tiles, decode_module._UNIT_TILES)
         assert sum(sizes) == tiles and sizes == sorted(sizes, reverse=True)
+    for largest in (0, 3, 6):
+        with pytest.raises(ValueError, match="largest: expected a power of two >= 1"):
+            pool_units(10, largest)
+
+
+if triton is not None:
+    @triton.jit
+    def _pool_units_kernel(OUT, pool_start, k_len, BLOCK_N: tl.constexpr, LEVELS: tl.constexpr):
+        """Grid (tickets,): OUT[2 t], OUT[2 t + 1] = pool_unit(t, ...)."""
+        ticket = tl.program_id(0)
+        start, stop = pool_unit(ticket, pool_start, k_len, BLOCK_N, LEVELS)
+        tl.store(OUT + 2 * ticket, start)
+        tl.store(OUT + 2 * ticket + 1, stop)
+
+
+@pytest.mark.parametrize("largest", [1, 4, 8])
+def test_the_kernel_hands_out_the_units_of_pool_units_and_nothing_past_them(largest):
+    """The kernel's pool_unit against pool_units, ticket by ticket: unit t is [pool_start + (sum of the sizes before
+    t) * BLOCK_N, that + its size * BLOCK_N) cut at k_len, and tickets past the last unit start at or past k_len;
+    for pools of 0 to 40 tiles (so empty ones, ones too small for a large unit, multiples of the largest and not),
+    the cache's end mid-tile or not, from pool_start 0 or 3 tiles, and pool_start past the end (a fixed plan's
+    chunks may reach past the cache: no unit)."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    block_n = decode_module._BLOCK_N
+    for pool_start in (0, 3 * block_n):
+        for k_len in range(pool_start - block_n, pool_start + 40 * block_n, 7):
+            units = pool_units(max(0, -(-(k_len - pool_start) // block_n)), largest)
+            tickets = len(units) + 3
+            got = torch.full((tickets, 2), -1, dtype=torch.int32, device=DEVICE)
+            _pool_units_kernel[(tickets,)](got, pool_start, k_len, BLOCK_N=block_n, LEVELS=unit_levels(largest))
+            starts = [pool_start + sum(units[:t]) * block_n for t in range(len(units))]
+            expected = [[start, min(start + size * block_n, k_len)] for start, size in zip(starts, units)]
+            assert got[:len(units)].tolist() == expected, (pool_start, k_len)
+            assert (got[len(units):, 0] >= k_len).all(), (pool_start, k_len)
 
 
 @pytest.mark.parametrize("taken", [1, 4], ids=["first-unit-taken", "all-but-the-last-taken"])
@@ -412,8 +457,9 @@ def test_units_other_programs_took_are_not_taken_again(monkeypatch, taken):
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
                         programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
     pool_start = work.chunks * work.chunk_keys
-    assert (work.chunks, pool_units(-(-(k_len - pool_start) // block_n))) == (5, [4, 2, 1, 1, 1])
-    taken_keys = sum(pool_units(-(-(k_len - pool_start) // block_n))[:taken]) * block_n
+    units = units_of_pool(k_len - pool_start)
+    assert (work.chunks, units) == (5, [4, 2, 1, 1, 1])
+    taken_keys = sum(units[:taken]) * block_n
     assert not seen
     torch.manual_seed(0)
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
@@ -427,7 +473,7 @@ def test_pooled_plan_leaves_at_least_its_fraction_to_the_pool_in_whole_tiles():
     """split_k.plan(pooled=p): the same programs as the fixed plan, chunks of whole tiles, at least p of the tiles
     left past them (never none); pooled=0 is the fixed plan, whose chunks cover every key. And the decode step
     takes the pool only where the fixed plan's chunks hold _POOL_FROM_TILES tiles: at the H200's plan (GQA 32/8,
-    one query, D = 128) 128K does, 8K, 32K and 64K do not."""
+    one query, D = 128) 32K and longer caches do, 8K does not."""
     device, block_n = torch.device(DEVICE), decode_module._BLOCK_N
     for k_len in (20, 700, 8192, 32768, 131072, 131072 + 5):
         fixed = split_k.plan(1, 32, 8, 1, k_len, device, block_n=block_n, programs_per_sm=8)

@@ -12,7 +12,7 @@ keys the cache was built from. Two backends compute it:
   (G = Hq / Hkv) side by side under each coordinate; then one program per (batch, KV head, chunk of keys) takes all
   of them, so every code and every V row is read from memory once; on long caches the keys past the chunks (at
   least a tenth) are a pool that the programs take over as they finish their chunks, in units that shrink to
-  single tiles as it drains (:func:`_sfa_decode_chunk`, :func:`pool_units`). The score tile is [keys, rows], one
+  single tiles as it drains (:func:`_sfa_decode_chunk`, :mod:`.pool`). The score tile is [keys, rows], one
   key per thread: the thread reads its key's packed indices as the 4-byte words that hold them (:func:`_index_word`)
   and its values as 8-byte words, and per code t < topk one vector load fetches the rows' table entries at index t
   (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1): score = scale * sum_t q~[idx_t] * val_t, the dot of
@@ -57,6 +57,7 @@ from ..triton_common import (LOG2E, allow_next_kernel, choose_backend, hopper_or
                              softmax_step, triton, wait_for_prior_kernel)
 from .cache import SFAKeyCache
 from .codes import densify, sparsify
+from .pool import pool_unit, unit_levels
 
 if triton is not None:
     import triton.language as tl
@@ -76,7 +77,7 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # topk = 8 from 0.0940 to 0.0897 (15-30% pools: 0.0984-0.0989 and 0.0894-0.0901; 8-tile units slower, 2-tile
 # units about equal); at D = 64 (10 per SM) topk = 8 0.0650 -> 0.0602, topk = 16 0.0730 -> 0.0732 (20-30%:
 # 0.0755-0.0765, slower). Session 36 (H100, gated, 7 interleaved rounds): units that shrink as the pool drains
-# (:func:`pool_units`: 4 tiles, then 2, then 1) took topk = 16 from 0.1218 to 0.1202 ms and topk = 8 from 0.1133
+# (:mod:`.pool`: 4 tiles, then 2, then 1) took topk = 16 from 0.1218 to 0.1202 ms and topk = 8 from 0.1133
 # to 0.1111 (dense 0.1880); a 5% pool 0.1200 / 0.1147, 15% 0.1201 / 0.1109, 20% 0.1211 / 0.1108; from 8-tile units
 # 0.1228 / 0.1123, from 2-tile units 0.1210 / 0.1110.
 # The chunks are rounded down to whole tiles, so the pool is larger than _POOLED: 13% at 128K and D = 128 (27 of
@@ -84,10 +85,10 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # the software pipeline. The test is on the fixed plan's chunk length, which batch and heads shorten as well as the
 # cache. With 4-tile units the pool paid only from 32-tile chunks (v10 call E, D = 128, topk = 8 / 16: 8K 0.96x /
 # 0.89x dense against 1.08x / 1.06x with fixed chunks, 32K 1.28x / 1.18x against 1.30x / 1.22x). With shrinking
-# units (session 36, H100, gated, 7 interleaved rounds, fixed chunks against the pool; dense 62.6 / 104.8 us) it
-# pays from 8-tile chunks: 32K (8 tiles) topk = 8 43.5 -> 42.3 us, topk = 16 45.9 -> 46.0; 64K (16) 69.2 -> 65.8
-# and 72.8 -> 70.6; below, slower: 16K (4 tiles) 27.5 -> 27.8 and 29.1 -> 30.8, 8K (2) 19.6 -> 20.8 and 20.3 ->
-# 23.8 (benchmarks/results/session36).
+# units (session 36, measured on an H100 only, gated, 7 interleaved rounds, fixed chunks against the pool; dense
+# 62.6 / 104.8 us) it is faster or even from 8-tile chunks on: 32K (8 tiles) topk = 8 43.5 -> 42.3 us, topk = 16
+# 45.9 -> 46.0; 64K (16) 69.2 -> 65.8 and 72.8 -> 70.6; below, slower: 16K (4 tiles) 27.5 -> 27.8 and 29.1 ->
+# 30.8, 8K (2) 19.6 -> 20.8 and 20.3 -> 23.8 (benchmarks/results/session36).
 _POOLED, _UNIT_TILES, _POOL_FROM_TILES = 0.1, 4, 8
 # Tiles of its chunk each program has L2 prefetch while it waits for the query table (DRAM is idle then). v11
 # call C (128K, D = 128, gated, 5 interleaved rounds): 0 / 1 / 2 / 4 / 8 tiles, topk = 16 0.0940 / 0.0925 / 0.0924
@@ -259,28 +260,6 @@ def _key_range(acc_t, l_t, m_i, start, stop, table, idx_head, val_head, V_DESC, 
 
 
 @jit
-def _pool_unit(ticket, pool_start, k_len, BLOCK_N: tl.constexpr, LEVELS: tl.constexpr):
-    """Keys [start, stop) of unit number ``ticket`` (int32) of the pool [pool_start, k_len) (pool_start a multiple
-    of BLOCK_N); start >= k_len where there is no such unit. The units are :func:`pool_units` (tiles, LEVELS)
-    back to back, each cut at k_len."""
-    rest = tl.cdiv(k_len - pool_start, BLOCK_N)  # tiles not yet in a unit of a larger size
-    offset = 0  # tiles before this size's units
-    start = -1  # the unit's first tile, once found
-    length = 1
-    for level in tl.static_range(LEVELS - 1):
-        size = 1 << (LEVELS - 1 - level)
-        units = rest // 2 // size
-        found = (start < 0) & (ticket < units)
-        start = tl.where(found, offset + ticket * size, start)
-        length = tl.where(found, size, length)
-        ticket -= units
-        offset += units * size
-        rest -= units * size
-    start = pool_start + tl.where(start < 0, offset + ticket, start) * BLOCK_N
-    return start, tl.minimum(start + length * BLOCK_N, k_len)
-
-
-@jit
 def _sfa_decode_chunk(
     Q, TABLE, COUNTERS, IDX, VAL, V, V_DESC, O, LSE,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -306,12 +285,12 @@ def _sfa_decode_chunk(
     units of the pool past every chunk's own, [chunks * chunk_keys, Tk), one at a time, each to the program of its
     (batch, KV head, row block) that asks first: COUNTERS (int32, one per row block, [B * Hkv * row blocks], 0 when
     the kernel starts: :func:`_sparse_query_table` sets them) counts the requests, so a request's count is the
-    number of its unit (:func:`_pool_unit`: the units of :func:`pool_units` with 2 ** (UNIT_LEVELS - 1) tiles at
-    most, larger ones first), and each program's last request is refused: a counter ends at units + chunks. Why:
+    number of its unit (:func:`.pool.pool_unit`: units of 2 ** (UNIT_LEVELS - 1) tiles at most, shrinking to single
+    tiles as the pool drains), and each program's last request is refused: a counter ends at units + chunks. Why:
     the programs of a step all run at once (one wave), and programs on some SMs run faster than on others (v10: on
     SMs holding 7 programs, the same work ended anywhere from 77 to 92 us), so with fixed chunks the kernel waits
-    for the slowest SM; the pool lets the fast ones take over the rest, and its last units are single tiles, so
-    the programs still at work when it runs dry end at most about a tile apart.
+    for the slowest SM; the pool lets the fast ones take over the rest, and the units handed out last, which set
+    when the programs that still take units end, are single tiles.
 
     Writes each row's output over the keys the program took (normalised over them) and its log-sum-exp to O [B, Hq,
     Tq, chunks, D] and LSE [B, Hq, Tq, chunks] (float32, contiguous). The split depends on the timing, the result
@@ -336,19 +315,19 @@ def _sfa_decode_chunk(
     acc_t, l_t, m_i = _key_range(acc_t, l_t, m_i, start, stop, table, idx_head, val_head, V_DESC, v_head, b, kv_head,
                                  row_ok, q_pos, d, scale, stride_kt, stride_vt, stride_vd, HEAD_DIM, TOPK, INDEX_BITS,
                                  NBYTES, BLOCK_M, BLOCK_N, PER_WORD, VALUE_DTYPE, NATIVE_DOT, V_TMA)
-    # Then units of the keys past every chunk's own (:func:`_pool_unit`), taken in turn by whichever program of
+    # Then units of the keys past every chunk's own (:func:`.pool.pool_unit`), taken in turn by whichever program of
     # this row block asks first (the table kernel set the block's counter to 0): programs on SMs that run fast take
     # more.
     counter = COUNTERS + tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
     pool_start = num_chunks * chunk_keys
-    unit, unit_stop = _pool_unit(tl.atomic_add(counter, 1, sem="relaxed"), pool_start, k_len, BLOCK_N, UNIT_LEVELS)
+    unit, unit_stop = pool_unit(tl.atomic_add(counter, 1, sem="relaxed"), pool_start, k_len, BLOCK_N, UNIT_LEVELS)
     while unit < k_len:
         acc_t, l_t, m_i = _key_range(acc_t, l_t, m_i, unit, unit_stop, table, idx_head, val_head, V_DESC, v_head, b,
                                      kv_head, row_ok, q_pos, d, scale, stride_kt, stride_vt, stride_vd, HEAD_DIM,
                                      TOPK, INDEX_BITS, NBYTES, BLOCK_M, BLOCK_N, PER_WORD, VALUE_DTYPE, NATIVE_DOT,
                                      V_TMA)
-        unit, unit_stop = _pool_unit(tl.atomic_add(counter, 1, sem="relaxed"), pool_start, k_len, BLOCK_N,
-                                     UNIT_LEVELS)
+        unit, unit_stop = pool_unit(tl.atomic_add(counter, 1, sem="relaxed"), pool_start, k_len, BLOCK_N,
+                                    UNIT_LEVELS)
 
     allow_next_kernel()  # the merge
     # A row may have no key among those this program took (a query before them): output 0 and log-sum-exp -inf.
@@ -493,7 +472,7 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
             BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
             VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
             NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, V_TMA=v_tiles is not None,
-            UNIT_LEVELS=_UNIT_TILES.bit_length(), PREFETCH_TILES=_PREFETCH_TILES,
+            UNIT_LEVELS=unit_levels(_UNIT_TILES), PREFETCH_TILES=_PREFETCH_TILES,
             num_warps=_NUM_WARPS, launch_pdl=hopper_or_newer(q.device),
             num_stages=_pipeline_stages(cache.topk, work.block_m, head_dim, q.element_size()))
         split_k.merge(part_out, part_lse, out, lse)
@@ -547,24 +526,6 @@ def _programs_per_sm(head_dim: int) -> int:
     0.073; 8 and 12 per SM 0.061 + 0.084, 0.062 + 0.085). Run-to-run spread of one plan in one session is up to 9%
     (the same 5-stage plan re-timed: 0.102 + 0.107 at D = 128). Head dims 16, 32 and 256 are not measured."""
     return 8 if head_dim >= 128 else 10
-
-
-def pool_units(tiles: int, largest: int = _UNIT_TILES) -> list[int]:
-    """The sizes, in tiles, of the units a decode step's pool of ``tiles`` tiles is handed out in, in the order
-    they are handed out (their sum is ``tiles``; the last unit is cut at the cache's end): about half the pool in
-    units of ``largest`` tiles (a power of two), half of the rest in units of half that, and so on, the rest in
-    single tiles. :func:`_pool_unit` is this schedule in the kernel.
-
-    Why shrinking units: a unit restarts the key loop's software pipeline, so long ones cost less, but the last
-    units handed out set the kernel's end, and a long one there ends late while other SMs idle (4-tile units take a
-    loaded SM about 9 us, v10); _UNIT_TILES says what it measured."""
-    sizes, size = [], largest
-    while size > 1:
-        units = tiles // 2 // size
-        sizes += [size] * units
-        tiles -= units * size
-        size //= 2
-    return sizes + [1] * tiles
 
 
 def _pipeline_stages(topk: int, block_m: int, head_dim: int, itemsize: int) -> int:
