@@ -9,10 +9,11 @@ process where the kernels are compiled rather than interpreted (``python -m test
 launches as JSON on stdin), compiles each for ``GPUTarget("cuda", 90, 32)`` with the ptxas bundled in Triton's
 wheel, so PTX and SASS generation run too.
 
-What differs from a launch on the GPU: the shapes are the CPU tests' (tile sizes an op picks for the interpreter
-stay), ``do_not_specialize`` is not mirrored (no kernel here uses it), and the constexprs that pick tensor-core
-dots (:data:`NATIVE_DOTS`) are set as a GPU sets them for the inputs' dtype (True for 16-bit ones), since the
-interpreter asks for exact float32 products whatever the dtype.
+What differs from a launch on the GPU: the shapes are the caller's (small), as are the tile sizes where an op
+picks other ones for the interpreter (test_kernels_compile sets the GPU's); ``do_not_specialize`` is not mirrored
+(no kernel here uses it); and the constexprs that pick tensor-core dots (:data:`NATIVE_DOTS`) are set as a GPU sets
+them for the inputs' dtype (True for 16-bit ones), since the interpreter asks for exact float32 products whatever
+the dtype.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from contextlib import contextmanager
 # The constexprs by which a kernel takes its dots on tensor cores (16-bit inputs on a GPU) or as exact float32
 # products (float32 inputs, and the interpreter, whose 16-bit tl.dot multiplies bit patterns: triton_common.dot).
 NATIVE_DOTS = ("NATIVE", "NATIVE_DOT")
+# Shared memory one block may take on sm_90 (H100, H200): 227 KiB; a launch asking more fails on the GPU only.
+SM90_SHARED_BYTES = 227 * 1024
 
 
 def _encode(value):
@@ -95,8 +98,9 @@ def record_launches(native_dots: bool):
 
 
 def compile_launches(launches: list[dict]) -> list[str]:
-    """Compiles each launch for sm_90; returns one line per launch that failed ("module.kernel: error"), a launch
-    with a keyword argument that is neither a parameter of its kernel nor a compile option included. Call where the
+    """Compiles each launch for sm_90; returns one line per launch that failed ("module.kernel: error"): one that
+    does not compile, one that needs more shared memory than an sm_90 block gets, one with a keyword argument that
+    is neither a parameter of its kernel nor a compile option. Call where the
     kernels are compiled, not interpreted (TRITON_INTERPRET unset when their modules were imported)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -117,10 +121,14 @@ def compile_launches(launches: list[dict]) -> list[str]:
         constexprs = {name: _decode(value) for name, value in launch["constexprs"].items()}
         attrs = {(index,): [["tt.divisibility", 16]] for index in launch["divisible"]}
         try:
-            triton.compile(ASTSource(kernel, launch["signature"], constexprs=constexprs, attrs=attrs),
-                           target=target, options=launch["options"])
+            compiled = triton.compile(ASTSource(kernel, launch["signature"], constexprs=constexprs, attrs=attrs),
+                                      target=target, options=launch["options"])
         except Exception as error:  # noqa: BLE001 -- every compiler failure is reported, with its kernel
             failures.append(f"{where}: {type(error).__name__}: {error}")
+            continue
+        if compiled.metadata.shared > SM90_SHARED_BYTES:
+            failures.append(f"{where}: needs {compiled.metadata.shared} bytes of shared memory, an sm_90 block "
+                            f"gets at most {SM90_SHARED_BYTES}")
     return failures
 
 
