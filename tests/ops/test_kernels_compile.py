@@ -10,6 +10,7 @@ one is for CPU CI only.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -123,22 +124,26 @@ def launched_in_the_library() -> set[tuple[str, str]]:
     return found
 
 
+@functools.cache
+def launches_of(op, dtype) -> list[dict]:
+    """The launches ``op`` makes at ``dtype`` with the GPU's tilings, as a GPU would specialise them (recorded once
+    per module run: both tests read them)."""
+    with record_launches(native_dots=dtype != torch.float32) as launches, gpu_tiles():
+        op(dtype)
+    return launches
+
+
 def test_the_ops_here_launch_every_kernel_of_the_library():
     """So that a new kernel cannot miss the compile check: each launch in the source is among those the ops above
     make."""
-    recorded = set()
-    for op in OPS:
-        with record_launches(native_dots=True) as launches:
-            op(torch.bfloat16)
-        recorded |= {(launch["module"], launch["name"]) for launch in launches}
+    recorded = {(launch["module"], launch["name"]) for op in OPS for launch in launches_of(op, torch.bfloat16)}
     assert launched_in_the_library() - recorded == set()
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("op", OPS, ids=[op.__name__ for op in OPS])
 def test_every_kernel_the_op_launches_compiles_for_sm90(op, dtype):
-    with record_launches(native_dots=dtype != torch.float32) as launches, gpu_tiles():
-        op(dtype)
+    launches = launches_of(op, dtype)
     assert launches, f"{op.__name__} launched no Triton kernel"
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
