@@ -10,6 +10,7 @@ how to read them.
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Optional
 
 import torch
@@ -81,6 +82,13 @@ class SFACacheLayer(CacheLayerMixin):
             self._rebuild(start=len(store) - self.window + 1)
         return keys, store.values()
 
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can take back any of the tokens held, which assisted generation asks before it
+        starts (it crops rejected draft tokens): always for a full-attention layer; for a sliding-window layer only
+        until it first drops old tokens (later, crop refuses to cut into the window - 1 the next query sees)."""
+        return self.window is None or self.seen == self._held()
+
     def get_seq_length(self) -> int:
         return self.seen
 
@@ -116,8 +124,10 @@ class SFACacheLayer(CacheLayerMixin):
             return
         held = self._held()
         removable = held if self.seen == held else held - (self.window - 1)
-        if not (isinstance(tokens_to_remove, int) and -removable <= tokens_to_remove <= 0):
+        count = _integer(tokens_to_remove)
+        if count is None or not -removable <= count <= 0:
             fail("tokens_to_remove", f"an int in [-{removable}, 0] (tokens to drop from the end)", tokens_to_remove)
+        tokens_to_remove = count
         if tokens_to_remove:
             self._rebuild(stop=held + tokens_to_remove)
             self.seen += tokens_to_remove
@@ -136,6 +146,17 @@ class SFACacheLayer(CacheLayerMixin):
         self.store = self._empty_store(v.shape[0], v.dtype, v.shape[2])
         if v.shape[2]:
             self.store.append_codes(indices, values, v)
+
+
+def _integer(count) -> Optional[int]:
+    """count as a Python int if it is an integer (an int, or an integer 0-dim tensor such as the counts assisted
+    generation computes in some transformers versions), else None. Booleans are not counts."""
+    if isinstance(count, bool) or (isinstance(count, torch.Tensor) and count.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(count)
+    except TypeError:
+        return None
 
 
 class SFACache(Cache):
@@ -161,8 +182,9 @@ class SFACache(Cache):
 
     Sliding-window layers (from the model config, as transformers' DynamicCache reads it) keep between window - 1
     and 2 * window - 1 tokens (:class:`SFACacheLayer`). Beam search (``reorder_cache``), ``batch_select_indices``,
-    ``batch_repeat_interleave``, ``crop`` (a negative count), ``reset`` and ``copy.deepcopy`` (a copy for the same
-    model) are supported; ``torch.compile`` of the decode step and offloading are not.
+    ``batch_repeat_interleave``, ``crop`` (a negative count; so assisted and prompt-lookup generation, see
+    :attr:`SFACacheLayer.is_croppable`), ``reset`` and ``copy.deepcopy`` (a copy for the same model) are
+    supported; ``torch.compile`` of the decode step and offloading are not.
 
     Args:
         model: a transformers decoder composed with an SFAConfig (alone or with a FocusConfig), still running the

@@ -24,6 +24,7 @@ from ..nn.sfa_layer import SFALayer
 ATTENTION_NAME = "sieve_focus"
 LAYER_ATTR = "sieve_focus"
 SFA_ATTR = "sieve_sfa"
+START_ATTR = "sieve_pass_start"  # where the module's current pass starts in the sequence (_observe_pass)
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FORMAT = 1
@@ -34,9 +35,11 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
     """transformers attention-interface function: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> ([B, Tq, Hq, D], None).
 
     ``attention_mask`` is transformers' boolean SDPA mask (True = attend; it already holds causality, padding and
-    the layer's own sliding window) or None for plain causal attention. With :class:`sieve_attn.SFACache`, ``key``
-    is a :class:`~sieve_attn.nn.sfa_layer.CachedKeys` that the layer's SFALayer reads. Under ``torch.autocast``
-    q, k and v are cast to the autocast dtype first, and the output comes in it.
+    the layer's own sliding window) or None for plain causal attention. Queries align with the end of the keys;
+    the empty slots of a static cache are cut off first (:func:`_filled_slots`). With
+    :class:`sieve_attn.SFACache`, ``key`` is a :class:`~sieve_attn.nn.sfa_layer.CachedKeys` that the layer's
+    SFALayer reads. Under ``torch.autocast`` q, k and v are cast to the autocast dtype first, and the output comes
+    in it.
     """
     focus, sfa = getattr(module, LAYER_ATTR, None), getattr(module, SFA_ATTR, None)
     if focus is None and sfa is None:
@@ -48,6 +51,8 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         fail("module", "a causal (decoder) attention module", type(module).__name__)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0  # additive float mask: 0 where attended
+    key, value, attention_mask = _filled_slots(key, value, attention_mask, getattr(module, START_ATTR, None),
+                                               query.shape[2])
     if torch.is_autocast_enabled(query.device.type):
         # As SDPA under autocast does: attention in the autocast dtype. transformers' RoPE hands back q and k in
         # float32 there (its cos and sin are float32) beside the projection's bfloat16 v, which our ops refuse.
@@ -57,6 +62,22 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
     kwargs = dict(attn_mask=attention_mask, scale=scaling, softcap=softcap)
     out = sfa.attend(query, key, value, focus=focus, **kwargs) if sfa else focus.attend(query, key, value, **kwargs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _filled_slots(key, value, attention_mask, start: Optional[int], q_len: int):
+    """k, v [B, Hkv, Tk, D] and the mask [..., Tq, Tk] cut to the keys of the sequence so far, [..., :start + Tq].
+
+    A static cache (transformers' ``StaticCache``, or a static sliding-window layer not yet full) hands over all its
+    slots, those past the sequence still empty; transformers masks them, or passes no mask at all on a prefill
+    into an empty cache and leaves the causal mask to SDPA's top-left alignment. The ops here align queries with
+    the end of the keys, so the empty slots must go first. ``start`` is the cache's length before this pass (None
+    without a cache): a dynamic cache, or a sliding layer that drops old keys, never holds more than start + Tq.
+    """
+    if start is None or not isinstance(key, torch.Tensor) or key.shape[2] <= start + q_len:
+        return key, value, attention_mask
+    filled = start + q_len
+    mask = None if attention_mask is None else attention_mask[..., :filled]
+    return key[:, :, :filled], value[:, :, :filled], mask
 
 
 def _register() -> None:
@@ -119,13 +140,17 @@ def set_focus_mode(model: nn.Module, mode: str) -> nn.Module:
     return reconfigure(model, mode=mode)
 
 
-def _observe_hidden_states(module, args, kwargs):
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
+def _observe_pass(module, args, kwargs):
+    """Forward pre-hook of every composed attention module: notes where this pass starts in the sequence (for
+    :func:`_filled_slots`) and hands a Focus layer the pass's hidden states."""
     # The cache (named `cache` from transformers 5.2x, `past_key_values` before) still holds only earlier tokens:
-    # its length is the absolute position of the first new token, also for sliding-window layers.
+    # its length is the absolute position of the first new token, also for sliding-window and static layers.
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     start = None if cache is None else int(cache.get_seq_length(module.layer_idx))
-    getattr(module, LAYER_ATTR).observe(hidden, start)
+    setattr(module, START_ATTR, start)
+    focus = getattr(module, LAYER_ATTR, None)
+    if focus is not None:
+        focus.observe(kwargs.get("hidden_states", args[0] if args else None), start)
 
 
 def _split_configs(configs) -> tuple[Optional[FocusConfig], Optional[SFAConfig]]:
@@ -157,7 +182,8 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     (after RoPE); with both, SFA scores are computed inside the Focus pattern. Every original weight is frozen (only
     the routers are trainable; :func:`sieve_attn.train.finetune.finetune` unfreezes what SFA conversion trains), and
     attention runs through the ``"sieve_focus"`` attention function. The model keeps working with ``generate``
-    and transformers' KV caches; with SFA, :class:`sieve_attn.SFACache` keeps the compressed keys instead.
+    and transformers' KV caches (dynamic, sliding-window and static); with SFA, :class:`sieve_attn.SFACache` keeps
+    the compressed keys instead.
     """
     focus, sfa = _split_configs(configs)
     if is_composed(model):
@@ -176,9 +202,9 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     for _, module in modules:
         if focus is not None:
             module.add_module(LAYER_ATTR, FocusLayer(text.hidden_size, focus).to(device).train(model.training))
-            module.register_forward_pre_hook(_observe_hidden_states, with_kwargs=True)
         if sfa is not None:
             module.add_module(SFA_ATTR, SFALayer(sfa, kv_heads(model), head_dim(model)).to(device))
+        module.register_forward_pre_hook(_observe_pass, with_kwargs=True)
     _register()
     model.set_attn_implementation(ATTENTION_NAME)
     model.sieve_config, model.sieve_sfa_config = focus, sfa

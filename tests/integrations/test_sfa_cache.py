@@ -12,6 +12,7 @@ import torch
 
 import sieve_attn as sa
 import sieve_attn.nn.sfa_layer as sfa_layer
+from sieve_attn.integrations.sfa_cache import SFACacheLayer
 from sieve_attn.integrations.transformers import sfa_layers
 from sieve_attn.ops.sfa.cache import packed_bytes
 
@@ -168,8 +169,41 @@ def test_chunked_prefill_crop_and_batch_selection():
     cache.batch_select_indices(torch.tensor([1, 1, 0]))
     selected = cache.layers[0].store.keys()
     assert torch.equal(selected[0], indices[[1, 1, 0]]) and torch.equal(selected[1], values[[1, 1, 0]])
-    with pytest.raises(ValueError, match=r"tokens_to_remove: expected an int in \[-20, 0\]"):
-        cache.crop(3)
+    for bad in (3, -1.0, torch.tensor(True)):
+        with pytest.raises(ValueError, match=r"tokens_to_remove: expected an int in \[-20, 0\]"):
+            cache.crop(bad)
+    cache.crop(torch.tensor(-1))  # some transformers versions count the rejected drafts in a tensor
+    assert cache.get_seq_length() == PROMPT - 1
+
+
+@pytest.mark.parametrize("configs", [[sa.SFAConfig(topk=TOPK)],
+                                     [sa.FocusConfig(num_groups=4, window=4, top_k=1), sa.SFAConfig(topk=TOPK)]],
+                         ids=["sfa", "focus + sfa"])
+def test_prompt_lookup_generation_crops_the_codes_and_equals_recomputation(configs, monkeypatch):
+    """Assisted generation (prompt lookup) feeds draft tokens, then crops the rejected ones from the cache: the
+    tokens are those of recomputing the whole sequence at every step, and rejected drafts were cropped."""
+    model = sa.compose(tiny_model("llama"), *configs)
+    crops = []
+    real_crop = SFACacheLayer.crop
+    monkeypatch.setattr(SFACacheLayer, "crop", lambda layer, n: (crops.append(n), real_crop(layer, n))[1])
+    part = random_ids(1, 10, seed=2)
+    prompt = torch.cat([part, part, part], dim=1)  # repeats, so prompt lookup finds drafts
+    out = _generate(model, prompt, sa.SFACache(model), max_new_tokens=16, prompt_lookup_num_tokens=4,
+                    output_logits=False, return_dict_in_generate=False)
+    assert torch.equal(out, _greedy_recompute(model, prompt, 16))
+    assert any(n < 0 for n in crops)
+
+
+def test_sliding_layers_stay_croppable_until_they_drop_tokens():
+    """A sliding-window layer (Mistral's window 8) can take tokens back until it drops old ones; after that
+    assisted generation is refused up front (transformers asks is_croppable) rather than mid-way."""
+    model = sa.compose(tiny_model("mistral"), sa.SFAConfig(topk=TOPK))
+    cache = sa.SFACache(model)
+    with torch.no_grad():
+        model(random_ids(1, 6), **_cache_argument(model, cache))
+        assert cache.is_croppable
+        model(random_ids(1, 12), **_cache_argument(model, cache))
+    assert not cache.is_croppable
 
 
 def test_a_deep_copy_reuses_a_prompt_cache():

@@ -316,6 +316,30 @@ def test_kv_cache_generation_equals_recomputation(arch, mode):
     assert torch.equal(out.sequences, _greedy_recompute(model, prompt, new))
 
 
+STATIC_CONFIGS = {"focus hard": [sa.FocusConfig(num_groups=4, window=4, top_k=1, mode="hard")],
+                  "focus soft": [sa.FocusConfig(num_groups=4, window=4, top_k=1, mode="soft")],
+                  "sfa": [sa.SFAConfig(topk=4)],
+                  "focus hard + sfa": [sa.FocusConfig(num_groups=4, window=4, top_k=1), sa.SFAConfig(topk=4)]}
+
+
+@pytest.mark.parametrize("configs", list(STATIC_CONFIGS))
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral"])
+def test_static_cache_generation_equals_recomputation(arch, configs):
+    """transformers' static cache hands the attention all its slots, the later ones empty, and on the prefill no
+    mask (SDPA's top-left causal alignment); the composed model sees only the filled ones. Prompt 20 + 12 new
+    tokens in a cache of 32 slots; Gemma-2's and Mistral's sliding layers (window 8) fill and roll."""
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, *STATIC_CONFIGS[configs])
+    prompt, new = random_ids(2, 20, seed=7), 12
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, cache_implementation="static")
+    full = _logits(model, out.sequences[:, :-1])
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), full[:, prompt.shape[1] - 1:], rtol=0, atol=1e-5)
+    assert torch.equal(out.sequences, _greedy_recompute(model, prompt, new))
+
+
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "mistral"])
 def test_left_padded_generation_equals_unpadded(arch, mode):
