@@ -6,6 +6,7 @@ can fix the call without reading our source.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -111,8 +112,8 @@ def check_int(name: str, value, low: int, high: int | None = None) -> int:
 
 
 def check_positive_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        fail(name, "a positive number", repr(value))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        fail(name, "a finite positive number", repr(value))
     return float(value)
 
 

@@ -3,6 +3,7 @@ them, run the demo, benchmark."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -210,8 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "(for sfa)")
     ppl.add_argument("--weights", type=Path, default=None,
                      help="model.safetensors from `sieve finetune`: the fine-tuned weights, loaded before scoring")
-    ppl.add_argument("--modes", default="dense,soft,hard", help="comma list of dense, soft, hard, sfa")
-    ppl.add_argument("--top-k", type=int, default=None, help="override the adapter's inference top-k")
+    ppl.add_argument("--modes", default=None,
+                     help="comma list of dense, soft, hard, sfa (default: what the adapter allows: dense,soft,hard "
+                          "for a Focus adapter, with or without SFA; dense,sfa for an SFA one; dense without one)")
+    ppl.add_argument("--top-k", type=int, default=None,
+                     help="Focus: groups per token at inference, overriding the adapter's (a Focus adapter only)")
+    ppl.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
+                     help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter trained "
+                          "with triton, scored on a CPU with reference)")
     ppl.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
 
     from .bench.focus import add_arguments as add_bench_focus_args
@@ -227,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "gradients at a short length) before its time is reported; a failure prints FAIL and no speed. "
                     "Dense calls predicted to run too long, or that ran out of memory, are recorded as skipped. "
                     "Prints a table; writes bench_focus.json (device, versions, commit, settings, rows) and "
-                    "speedup_vs_length.png to --out. Exits 1 if any configuration failed its check.")
+                    "speedup_vs_length.png to --out. Exits 1 if any configuration failed its check or the Focus "
+                    "call raised (each such row is printed with the reason).")
     add_bench_focus_args(bench_focus)
     bench_sfa = bench.add_parser(
         "sfa", help="SFA (any backend: FlashSFA, dense SDPA on the codes) vs dense SDPA (cuDNN, flash), a CUDA-core "
@@ -241,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "a failure prints FAIL and no speed. Each row records its FLOP (prefill) or byte (decode) "
                     "count. Prints a table; writes bench_sfa.json (device, versions, commit, settings, rows, "
                     "KV-cache bytes per token) and sfa_speedup_vs_length.png to --out. Exits 1 if any configuration "
-                    "failed its check.")
+                    "failed its check or the SFA call raised (each such row is printed with the reason).")
     add_bench_sfa_args(bench_sfa)
     return parser
 
@@ -317,24 +325,27 @@ def cmd_retrofit(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
-    from .eval.report import ALL_MODES, environment, evaluate_modes, format_table, write_json
-    from .integrations.transformers import load_adapter, reconfigure
+    from .eval.report import environment, evaluate_modes, format_table, write_json
+    from .integrations.transformers import load_adapter, read_adapter_config, reconfigure
     from .train.finetune import load_weights
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = sorted(set(modes) - set(ALL_MODES))
-    if bad or not modes:
-        raise SystemExit(f"--modes: expected a comma list of {', '.join(ALL_MODES)}, got {args.modes!r}")
-    if any(m != "dense" for m in modes) and args.adapter is None:
-        raise SystemExit("--adapter: soft and hard need an adapter folder from `sieve retrofit`, sfa one from "
-                         "`sieve finetune --method sfa`")
+    saved = None if args.adapter is None else read_adapter_config(args.adapter)
+    modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
+    trained_with = None if saved is None else saved.get("weights_digest")
+    if trained_with is not None and args.weights is None:
+        raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
+                         f"got none (the model's own weights)")
     model, tokenizer = _setup(args)
-    if args.weights is not None:
-        load_weights(model, args.weights)
+    weights = None if args.weights is None else load_weights(model, args.weights)
+    if trained_with is not None and weights != trained_with:
+        raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
+                         f"got {str(args.weights)!r} ({weights})")
     windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
     focus_config = sfa_config = None
-    if args.adapter is not None:
+    if saved is not None:
+        if args.sfa_backend is not None:  # composed first: a composed model keeps its backend when the adapter loads
+            _compose_saved(model, saved, sfa_backend=args.sfa_backend)
         load_adapter(model, args.adapter)
         if args.top_k is not None:
             reconfigure(model, top_k=args.top_k)
@@ -348,6 +359,39 @@ def cmd_eval_ppl(args) -> int:
     if args.json:
         print(f"wrote {write_json(record, args.json)}")
     return 0
+
+
+def _eval_modes(args, saved: dict | None) -> list[str]:
+    """The modes `sieve eval ppl` scores (--modes, or every one the adapter allows); exits on --modes, --top-k or
+    --sfa-backend that the adapter (its config ``saved``, None without one) cannot take."""
+    from .eval.report import ALL_MODES
+
+    method = None if saved is None else saved.get("method")
+    allowed = {None: ("dense",), "sfa": ("dense", "sfa")}.get(method, ("dense", "soft", "hard"))
+    modes = list(allowed) if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+    if set(modes) - set(ALL_MODES) or not modes:
+        raise SystemExit(f"--modes: expected a comma list of {', '.join(ALL_MODES)}, got {args.modes!r}")
+    if saved is None and any(m != "dense" for m in modes):
+        raise SystemExit("--adapter: soft and hard need an adapter folder from `sieve retrofit`, sfa one from "
+                         "`sieve finetune --method sfa`")
+    if set(modes) - set(allowed):
+        raise SystemExit(f"--modes: expected modes of {', '.join(allowed)} for an adapter of method {method!r}, "
+                         f"got {','.join(modes)}")
+    if args.top_k is not None and "focus" not in (method or ""):
+        raise SystemExit(f"--top-k: Focus groups per token, for an adapter with Focus; got one of method {method!r}")
+    if args.sfa_backend is not None and "sfa" not in (method or ""):
+        raise SystemExit(f"--sfa-backend: for an adapter with SFA; got one of method {method!r}")
+    return modes
+
+
+def _compose_saved(model, saved: dict, *, sfa_backend: str) -> None:
+    """Composes ``model`` with an adapter's configs (its config ``saved``), SFA's backend replaced."""
+    from .config import FocusConfig, SFAConfig
+    from .integrations.transformers import compose
+
+    focus = None if saved["focus"] is None else FocusConfig.from_dict(saved["focus"])
+    compose(model, *(c for c in (focus, SFAConfig.from_dict({**saved["sfa"], "backend": sfa_backend}))
+                     if c is not None))
 
 
 def cmd_demo(args) -> int:
@@ -381,6 +425,17 @@ def _check_weights_file(option: str, path: Path | None) -> None:
         raise SystemExit(f"{option}: expected an existing model.safetensors file, got {str(path)!r}")
 
 
+@contextlib.contextmanager
+def _errors_named_by_flag():
+    """Turns a ValueError of settings built from this command's options ("topk_warmup: expected ...") into an exit
+    that names the option ("--topk-warmup: expected ...")."""
+    try:
+        yield
+    except ValueError as error:
+        name, sep, rest = str(error).partition(": ")
+        raise SystemExit(f"--{name.replace('_', '-')}: {rest}" if sep and name.isidentifier() else error) from None
+
+
 def _distill_weight(args) -> float:
     """The distillation weight the options ask for (0 without --teacher); SystemExit for a combination that cannot
     run, before any model is loaded."""
@@ -403,6 +458,9 @@ def cmd_finetune(args) -> int:
     from .models import load_model
     from .train import distributed
     from .train.calibrate import calibrate_feature_maps
+    from safetensors.torch import load_file
+
+    from .train.checkpoint import tensors_digest
     from .train.finetune import FinetuneSettings, finetune, load_weights
 
     started = time.time()
@@ -410,6 +468,17 @@ def cmd_finetune(args) -> int:
         raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
     distill_weight = _distill_weight(args)
     _check_weights_file("--init", args.init)
+    mapped = args.method == "sfa" and args.feature_map == "pca"
+    calibrated = mapped or (args.method == "sfa" and args.selection == "importance")
+    with _errors_named_by_flag():  # every setting checked before the model loads
+        settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                    checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
+                                    micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
+                                    validate_every=args.validate_every, mixed_precision=args.mixed_precision,
+                                    distill_weight=distill_weight, sparsity_weight=args.sparsity_weight)
+        settings.check()
+        sfa = SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped,
+                        selection=args.selection) if args.method == "sfa" else None
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
@@ -417,11 +486,9 @@ def cmd_finetune(args) -> int:
     init = None  # the digest of the --init weights, which a resumed run must share
     if args.init is not None:  # before compose, so that the calibration below sees these weights
         init = load_weights(model, args.init, name="--init")
-    mapped = args.method == "sfa" and args.feature_map == "pca"
-    calibrated = mapped or (args.method == "sfa" and args.selection == "importance")
-    if args.method == "sfa":
-        compose(model, SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped,
-                                 selection=args.selection))
+    if sfa is not None:
+        with _errors_named_by_flag():  # a topk above the model's head dim
+            compose(model, sfa)
     runtime = distributed.runtime(args.batch_size)
     runtime.place(model)  # an FSDP launch shards it here, so that every process can take part in evaluating it
     teacher = None
@@ -439,18 +506,13 @@ def cmd_finetune(args) -> int:
         uncalibrated = perplexity(model, held_out, desc="uncalibrated", progress=runtime.is_main)["ppl"]
         calibrate_feature_maps(model, calibration, progress=runtime.is_main)
     before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
-    settings = FinetuneSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                checkpoint_every=args.checkpoint_every, matching_weight=args.matching_weight,
-                                micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
-                                validate_every=args.validate_every, mixed_precision=args.mixed_precision,
-                                distill_weight=distill_weight, sparsity_weight=args.sparsity_weight)
     result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
                       resume=args.resume, init=init)
     del teacher  # its device memory, before the final scores
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:
-        if args.method == "sfa":
-            save_adapter(model, args.out / "adapter")
+        if args.method == "sfa":  # the maps belong with these weights: eval ppl checks its --weights against them
+            save_adapter(model, args.out / "adapter", weights_digest=tensors_digest(load_file(result["weights"])))
         record = {"model": args.model, "method": args.method, "topk": args.topk if args.method == "sfa" else None,
                   "context": args.context, "held_out_windows": len(held_out), "settings": vars(settings),
                   "train_text": args.train_text or ["stdlib"], "training_windows": len(windows),

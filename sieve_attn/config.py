@@ -9,6 +9,8 @@ FOCUS_MODES = ("train", "soft", "hard", "dense")
 FOCUS_BACKENDS = ("auto", "reference", "dense", "triton")
 # Settings that change how a trained router is used, not what it is: an adapter fits whatever their values.
 FOCUS_INFERENCE_FIELDS = ("mode", "backend")
+# Likewise for SFA: which kernels compute the scores.
+SFA_INFERENCE_FIELDS = ("backend",)
 
 
 class _Serialisable:

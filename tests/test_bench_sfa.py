@@ -65,6 +65,34 @@ def test_gate_fails_a_wrong_sfa_function_and_reports_no_time(tmp_path, capsys, m
     assert out.count("| FAIL |") == 2 and "2 configuration(s) FAILED" in out
 
 
+def test_an_sfa_call_that_raises_fails_the_run_with_its_reason(tmp_path, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel launch failed")
+
+    monkeypatch.setattr(bench_sfa, "sfa_attention", broken)
+    args = ["--lengths", "128", "--head-dims", "32", "--heads", "2", "--topk", "4", "--decode-lengths", "",
+            "--warmup", "0", "--reps", "1", "--gate-rows", "8", "--backend", "reference", "--device", "cpu",
+            "--out", str(tmp_path)]
+    assert main(["bench", "sfa", *args]) == 1
+    row, = json.loads((tmp_path / "bench_sfa.json").read_text())["rows"]
+    assert row["correct"] is None and row["sfa"]["ms"] is None
+    assert "FAILED forward T=128 D=32: failed: RuntimeError: kernel launch failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option, value, message", [("--heads", "0", "--heads: expected a positive integer"),
+                                                    ("--reps", "0", "--reps: expected a positive integer")])
+def test_bench_refuses_non_positive_counts(option, value, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "sfa", option, value])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_refuses_a_device_it_does_not_have(tmp_path):
+    with pytest.raises(SystemExit, match="--device: expected cpu or a CUDA device torch sees \\(0 here\\), got 'cuda'"):
+        main(["bench", "sfa", "--device", "cuda", "--out", str(tmp_path)])
+
+
 def test_gate_passes_sfa_and_fails_dense_attention_and_nan():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 200, 32, dtype=torch.bfloat16) for _ in range(3))

@@ -32,6 +32,17 @@ def test_focus_modes_need_an_adapter():
         main(["eval", "ppl", "--modes", "hard"])
 
 
+@pytest.mark.parametrize("method, argv, message", [
+    ("sfa", ["--modes", "dense,soft"], "--modes: expected modes of dense, sfa for an adapter of method 'sfa'"),
+    ("sfa", ["--top-k", "2"], "--top-k: Focus groups per token, for an adapter with Focus; got one of method 'sfa'"),
+    ("focus", ["--sfa-backend", "reference"], "--sfa-backend: for an adapter with SFA; got one of method 'focus'"),
+    ("focus", ["--modes", "sfa"], "--modes: expected modes of dense, soft, hard for an adapter of method 'focus'")])
+def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(tmp_path, method, argv, message):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"format": 1, "method": method}))
+    with pytest.raises(SystemExit, match=message):
+        main(["eval", "ppl", "--model", str(tmp_path / "no model here"), "--adapter", str(tmp_path), *argv])
+
+
 @pytest.mark.slow
 def test_retrofit_then_eval_ppl(tmp_path, capsys):
     out = tmp_path / "run"

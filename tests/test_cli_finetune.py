@@ -65,6 +65,29 @@ def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend, f
     evaluated = json.loads((out / "eval.json").read_text())
     assert evaluated["rows"][0]["ppl"] == pytest.approx(record["ppl_after"], rel=1e-6)
     assert (evaluated["sfa_config"] is None) == (method == "dense")
+    if method == "sfa":  # the modes an SFA adapter allows by default; another backend computes the same scores
+        assert main(["eval", "ppl", "--context", "32", "--threads", "1", "--eval-windows", "1", "--weights",
+                     str(out / "model.safetensors"), "--adapter", str(out / "adapter"), "--sfa-backend",
+                     "reference", "--json", str(out / "eval.json")]) == 0
+        evaluated = json.loads((out / "eval.json").read_text())
+        assert [row["mode"] for row in evaluated["rows"]] == ["dense", "sfa"]
+        assert evaluated["sfa_config"]["backend"] == "reference"
+        assert evaluated["rows"][1]["ppl"] == pytest.approx(record["ppl_after"], rel=1e-4)
+        # The maps belong with the fine-tuned weights: scoring them on other weights is refused before it starts.
+        from safetensors.torch import save_file
+        from sieve_attn.train.checkpoint import tensors_digest
+        weights = load_file(str(out / "model.safetensors"))
+        assert config["weights_digest"] == tensors_digest(weights)
+        common = ["eval", "ppl", "--context", "32", "--threads", "1", "--eval-windows", "1", "--adapter",
+                  str(out / "adapter")]
+        with pytest.raises(SystemExit, match="--weights: expected the model.safetensors the adapter was trained "
+                                             f"with \\({config['weights_digest']}\\), got none"):
+            main(common)
+        name = next(iter(weights))
+        weights[name] = weights[name] + 1
+        save_file(weights, str(tmp_path / "other.safetensors"))
+        with pytest.raises(SystemExit, match="--weights: expected the model.safetensors the adapter was trained with"):
+            main([*common, "--weights", str(tmp_path / "other.safetensors")])
 
 
 @pytest.mark.slow
@@ -113,6 +136,24 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
 def test_finetune_refuses_weight_options_that_cannot_run(tmp_path, options, message):
     with pytest.raises(SystemExit, match=message):
         main(["finetune", "--context", "32", "--threads", "1", "--steps", "1", *options, "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--matching-weight", "-1"], "--matching-weight: expected a finite number >= 0, got -1.0"),
+    (["--topk-warmup", "-5"], r"--topk-warmup: expected an int in \[0, inf\], got -5"),
+    (["--steps", "0"], r"--steps: expected an int in \[1, inf\], got 0"),
+    (["--lr", "inf"], "--lr: expected a finite positive number, got inf"),
+    (["--topk", "0"], r"--topk: expected an int in \[1, inf\], got 0"),
+])
+def test_finetune_refuses_bad_settings_by_option_before_loading_the_model(tmp_path, options, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["finetune", "--model", str(tmp_path / "no model here"), *options, "--out", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_finetune_refuses_a_topk_above_the_head_dim_by_option(tmp_path):
+    with pytest.raises(SystemExit, match="--topk: expected at most the model's head dim 64, got 65"):
+        main(["finetune", "--context", "32", "--threads", "1", "--topk", "65", "--out", str(tmp_path)])
 
 
 def test_finetune_refuses_no_calibration_windows(tmp_path):

@@ -105,6 +105,12 @@ def positive_int_list(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in parts)
 
 
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def head_pair(text: str) -> tuple[int, int]:
     """'32/8' -> (32 query heads, 8 KV heads)."""
     parts = text.split("/")
@@ -140,7 +146,8 @@ def _add_shape_arguments(parser: argparse.ArgumentParser, d: Settings) -> None:
     shape = parser.add_argument_group("shapes (B=1, bf16, causal)")
     shape.add_argument("--lengths", type=length_list, default=d.lengths,
                        help=f"sequence lengths, comma list; K = 1024, M = 1024K ({_lengths(d.lengths)})")
-    shape.add_argument("--heads", type=int, default=d.heads, help=f"query heads = KV heads in prefill ({d.heads})")
+    shape.add_argument("--heads", type=positive_int, default=d.heads,
+                       help=f"query heads = KV heads in prefill ({d.heads})")
     add_int_list(shape, "--head-dims", d.head_dims, "head dimensions D, comma list, e.g. 128,64")
 
 
@@ -166,13 +173,13 @@ def _add_timing_arguments(parser: argparse.ArgumentParser, d: Settings) -> None:
     timing.add_argument("--warmup", type=int, default=d.warmup,
                         help=f"untimed calls before timing a call shorter than {LONG_CALL_S:g} s, and more until "
                              f"they have taken {WARMUP_S * 1000:g} ms ({d.warmup})")
-    timing.add_argument("--reps", type=int, default=d.reps,
+    timing.add_argument("--reps", type=positive_int, default=d.reps,
                         help=f"timed calls at most, each after an L2 flush; the median is reported ({d.reps})")
     timing.add_argument("--budget", type=float, default=d.budget_s,
                         help=f"seconds of timed calls per measurement; a longer call is timed once ({d.budget_s:g})")
     timing.add_argument("--max-call-seconds", type=float, default=d.max_call_s,
                         help=f"skip a call predicted (from the previous length) to take longer ({d.max_call_s:g})")
-    timing.add_argument("--gate-rows", type=int, default=d.gate_rows,
+    timing.add_argument("--gate-rows", type=positive_int, default=d.gate_rows,
                         help=f"sampled query rows checked against exact attention per configuration ({d.gate_rows})")
     timing.add_argument("--backward-gate-length", type=parse_length, default=d.backward_gate_length,
                         help=f"length at which gradients are checked against dense masked attention "
@@ -497,12 +504,25 @@ def row_fields(mode: str, q, k, checked: Optional[Verdict]) -> dict:
             "gate": None if checked is None else asdict(checked)}
 
 
+def _check_device(name: str) -> None:
+    """Exits unless ``name`` (--device) is the CPU or a CUDA device torch sees here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not (
+            torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())):
+        raise SystemExit(f"--device: expected cpu or a CUDA device torch sees ({torch.cuda.device_count()} here), "
+                         f"got {name!r}")
+
+
 def sweep(timer: Timer, header: str, prefill_rows: Callable, decode_rows: Callable) -> list[dict]:
     """Every row of a bench, printed as it completes: per head dim, the prefill rows at each length (forward, and
     forward+backward up to ``max_backward_length`` with ``backward``), then the decode rows at each cache length.
     ``prefill_rows(timer, mode, q, k, v)`` and ``decode_rows(timer, cache_len, head_dim)`` return lists of rows.
     With ``skip_nan_checks`` everything runs inside :func:`sieve_attn.skip_nan_checks`."""
     config = timer.config
+    _check_device(config.device)
     print(header, flush=True)
     with skip_nan_checks() if config.skip_nan_checks else contextlib.nullcontext():
         return _sweep_rows(timer, prefill_rows, decode_rows)
@@ -618,15 +638,20 @@ def speedup_axis(ax, rows: list[dict], mode: str, ylabel: str, title: str) -> No
 
 
 def finish(config: Settings, rows: list[dict], out: Path, json_name: str, plot: Callable[[list, Path], Path],
-           png_name: str, **extra) -> int:
+           png_name: str, *, method: str, **extra) -> int:
     """Writes OUT/json_name (environment, settings, rows and ``extra``) and the plot OUT/png_name; returns the exit
-    status: 1 if any row failed its gate, else 0."""
+    status: 1 if any row failed its gate or the method under test (``row[method]``) raised (what :func:`describe`
+    calls failed; out of memory and calls skipped as too long are results, not failures), else 0. Each such row
+    is printed with its reason."""
     record = {"environment": environment(torch.device(config.device)), "settings": asdict(config), "rows": rows,
               **extra}
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / json_name
     json_path.write_text(json.dumps(record, indent=2))
     plot_path = plot(rows, out / png_name)
-    failed = sum(row["correct"] is False for row in rows)
-    print(f"wrote {json_path} and {plot_path}" + (f"; {failed} configuration(s) FAILED the gate" if failed else ""))
+    failed = [row for row in rows if row["correct"] is False or (row[method].get("reason") or "").startswith("failed")]
+    for row in failed:
+        print(f"FAILED {row['mode']} T={format_length(row['T'])} D={row['head_dim']}: "
+              f"{row[method]['reason'] or 'the correctness gate'}")
+    print(f"wrote {json_path} and {plot_path}" + (f"; {len(failed)} configuration(s) FAILED" if failed else ""))
     return 1 if failed else 0

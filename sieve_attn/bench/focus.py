@@ -435,4 +435,5 @@ def _prototype_speedup(row: dict, dense: str) -> Optional[float]:
 def main(args: argparse.Namespace) -> int:
     """Runs ``sieve bench focus``; writes OUT/bench_focus.json and OUT/speedup_vs_length.png."""
     config = config_from_args(args)
-    return finish(config, run(config), args.out, "bench_focus.json", plot_speedups, "speedup_vs_length.png")
+    return finish(config, run(config), args.out, "bench_focus.json", plot_speedups, "speedup_vs_length.png",
+                  method="focus")

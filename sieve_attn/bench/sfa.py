@@ -21,7 +21,8 @@ q and k sparsified with :func:`sieve_attn.ops.sfa.codes.sparsify` (the selection
 softmax attention over the dense V, in float32 (exact) and in bf16 (plain PyTorch's error). Decode checks its one
 query row the same way over the whole cache. Backward is gated once per (D, k) at ``backward_gate_length``: dq, dk,
 dv against autograd of a dense masked fp32 attention on the sparsified q and k (whose straight-through gradients
-are SFA's). A failed gate prints FAIL, reports no time and sets ``correct: false``; the command then exits 1.
+are SFA's). A failed gate prints FAIL, reports no time and sets ``correct: false``; the command then exits 1,
+as it does when an SFA call raised (its row's ``reason``, printed at the end).
 
 Work per row, so that a ratio can be explained: prefill counts FMAs over the causal pairs i >= j of every head,
 k per pair for SFA's scores against D dense, and D for P @ V in both (forward+backward: 5 score-side and 4 value-side
@@ -349,4 +350,4 @@ def main(args: argparse.Namespace) -> int:
     """Runs ``sieve bench sfa``; writes OUT/bench_sfa.json and OUT/sfa_speedup_vs_length.png."""
     config = config_from_args(args)
     return finish(config, run(config), args.out, "bench_sfa.json", plot_speedups, "sfa_speedup_vs_length.png",
-                  kv_cache=cache_bytes(config.head_dims, config.top_ks))
+                  method="sfa", kv_cache=cache_bytes(config.head_dims, config.top_ks))

@@ -17,7 +17,7 @@ from torch import nn
 
 from .._checks import check_tensors_fit, fail
 from .._files import atomic_write
-from ..config import FOCUS_INFERENCE_FIELDS, FocusConfig, SFAConfig
+from ..config import FOCUS_INFERENCE_FIELDS, SFA_INFERENCE_FIELDS, FocusConfig, SFAConfig
 from ..nn.focus_layer import FocusLayer
 from ..nn.sfa_layer import SFALayer
 
@@ -223,9 +223,11 @@ def _model_signature(model: nn.Module) -> dict:
             "attention_layers": len(attention_modules(model))}
 
 
-def save_adapter(model: nn.Module, directory) -> Path:
+def save_adapter(model: nn.Module, directory, *, weights_digest: Optional[str] = None) -> Path:
     """Saves only what compose added (:func:`adapter_state`): ``adapter.safetensors`` and ``adapter_config.json``
-    in ``directory``."""
+    in ``directory``. ``weights_digest``: for an adapter trained together with the model's weights (SFA
+    conversion), the digest of those weights' file (:func:`sieve_attn.train.finetune.load_weights` returns it),
+    recorded as ``weights_digest`` so that whoever loads the adapter can check they have the same weights."""
     if not is_composed(model):
         fail("model", "a model composed with sieve_attn.compose", "a plain model")
     directory = Path(directory)
@@ -234,7 +236,7 @@ def save_adapter(model: nn.Module, directory) -> Path:
     focus, sfa = model.sieve_config, model.sieve_sfa_config
     config = {"format": ADAPTER_FORMAT, "method": _method(focus, sfa),
               "focus": None if focus is None else focus.to_dict(), "sfa": None if sfa is None else sfa.to_dict(),
-              "base_model": _model_signature(model)}
+              "base_model": _model_signature(model), "weights_digest": weights_digest}
     atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp))
     atomic_write(directory / ADAPTER_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
     return directory
@@ -251,17 +253,18 @@ def _method(focus, sfa) -> str:
     return "+".join(name for name, config in (("focus", focus), ("sfa", sfa)) if config is not None)
 
 
-def _trained_fields(config: Optional[FocusConfig]) -> Optional[dict]:
+def _trained_fields(config, inference_fields: tuple[str, ...]) -> Optional[dict]:
     if config is None:
         return None
-    return {k: v for k, v in config.to_dict().items() if k not in FOCUS_INFERENCE_FIELDS}
+    return {k: v for k, v in config.to_dict().items() if k not in inference_fields}
 
 
 def trained_configs(focus: Optional[FocusConfig], sfa: Optional[SFAConfig]) -> dict:
     """{"focus", "sfa"}: what an adapter or a training checkpoint must share with the model that takes it, as
-    JSON-able dicts (None for a method not composed): the Focus fields that shape the routers and their pattern
-    (not ``mode`` and ``backend``, which only change how they are used) and the whole SFA config."""
-    return {"focus": _trained_fields(focus), "sfa": None if sfa is None else sfa.to_dict()}
+    JSON-able dicts (None for a method not composed): every field but those that only change how the trained
+    parts are used (Focus: ``mode`` and ``backend``; SFA: ``backend``)."""
+    return {"focus": _trained_fields(focus, FOCUS_INFERENCE_FIELDS),
+            "sfa": _trained_fields(sfa, SFA_INFERENCE_FIELDS)}
 
 
 def composed_configs(model: nn.Module) -> dict:
@@ -270,9 +273,12 @@ def composed_configs(model: nn.Module) -> dict:
 
 
 def load_adapter(model: nn.Module, directory) -> nn.Module:
-    """Loads an adapter saved by :func:`save_adapter`, composing ``model`` first when it is still plain.
+    """Loads an adapter saved by :func:`save_adapter`, composing ``model`` first when it is still plain (with the
+    adapter's configs, its Focus mode and SFA backend included). A model already composed with the adapter's
+    configs keeps its own mode and backends.
 
-    Refuses, with a ValueError, a model of another type, width or depth, or one composed with another config.
+    Refuses, with a ValueError and before it changes the model, a model of another type, width or depth, one
+    composed with another config, and tensors that do not fit the layers the configs give this model.
     """
     saved = read_adapter_config(directory)
     if saved.get("format") != ADAPTER_FORMAT or saved.get("method") not in ("focus", "sfa", "focus+sfa"):
@@ -283,17 +289,29 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
     expected, actual = saved["base_model"], _model_signature(model)
     if expected != actual:
         fail("model", f"the model the adapter was trained on {expected}", actual)
-    if not is_composed(model):
-        compose(model, *(c for c in (focus, sfa) if c is not None))
-    elif composed_configs(model) != trained_configs(focus, sfa):
+    if is_composed(model) and composed_configs(model) != trained_configs(focus, sfa):
         fail("model", f"a model composed with the adapter's configs {focus}, {sfa}",
              f"{model.sieve_config}, {model.sieve_sfa_config}")
     tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
-    check_tensors_fit("adapter", tensors, adapter_state(model), "tensors named as this model's Focus and SFA layers")
+    check_tensors_fit("adapter", tensors, _added_state(model, focus, sfa),
+                      "tensors named as this model's Focus and SFA layers")
     for name, tensor in tensors.items():  # the layers rank by them unchecked (SFALayer.map_queries)
         if name.endswith(".selection_weights") and not (torch.isfinite(tensor) & (tensor >= 0)).all():
             fail(f"adapter tensor {name}", "finite selection weights >= 0", "a negative, infinite or NaN value")
+    if not is_composed(model):
+        compose(model, *(c for c in (focus, sfa) if c is not None))
+        if focus is not None:
+            set_focus_mode(model, focus.mode)
     model.load_state_dict(tensors, strict=False)
-    if focus is not None:
-        set_focus_mode(model, focus.mode)
     return model
+
+
+def _added_state(model: nn.Module, focus: Optional[FocusConfig], sfa: Optional[SFAConfig]) -> dict:
+    """What :func:`adapter_state` of ``model`` composed with these configs holds, as shapes (tensors on the meta
+    device), built without touching ``model``."""
+    text = model.config.get_text_config()
+    with torch.device("meta"):
+        layers = {LAYER_ATTR: None if focus is None else FocusLayer(text.hidden_size, focus),
+                  SFA_ATTR: None if sfa is None else SFALayer(sfa, kv_heads(model), head_dim(model))}
+    return {f"{name}.{attr}.{key}": tensor for name, _ in attention_modules(model)
+            for attr, layer in layers.items() if layer is not None for key, tensor in layer.state_dict().items()}

@@ -12,7 +12,7 @@ from ..ops.blockwise import blockwise_attention
 from ..ops.masked_sdpa import unmasked_sdpa
 from ..ops.sfa.attention import sfa_attention
 from ..ops.sfa.cache import SFAKeyCache
-from ..ops.sfa.codes import densify, select, sparsify
+from ..ops.sfa.codes import scatter_codes, select, sparsify
 from ..ops.sfa.decode import sfa_decode
 
 
@@ -36,7 +36,7 @@ class CachedKeys:
         """Keys k [B, Hkv, Tk, D] for the dense-key path: ``new`` when set, else the cached codes zero-filled
         (densified, a transient tensor). Either way sparsify(k, topk) is the sparse keys of the dense path, which
         is all SFA reads of k."""
-        return self.new if self.new is not None else densify(*self.cache.keys(), self.cache.head_dim)
+        return self.new if self.new is not None else scatter_codes(*self.cache.keys(), self.cache.head_dim)
 
     def __getattr__(self, name: str):
         # Reached only for missing attributes: model code other than the sieve attention function touched the keys.

@@ -32,7 +32,8 @@ def merge_partials(base: Optional[tuple[torch.Tensor, torch.Tensor]], out_rows: 
     (inclusion-exclusion): each must lie inside the union of its row's other sets, which then count those keys
     twice. Their weights enter the sums negatively, so the result is over the union once.
 
-    Returns (out [N, H, D], lse [N, H]), computed and returned in ``dtype`` (float32, or float64 for float64 inputs).
+    Returns (out [N, H, D], lse [N, H]), computed and returned in ``dtype`` (float32 by default; pass float64 for
+    float64 partials).
     A fully masked row (all its partials have lse -inf, or it has none) gets out 0 and lse -inf, without NaN in the
     values or the gradients. Differentiable in every partial's out and lse; the shift that keeps exp() in range is
     held constant (the result does not depend on it).

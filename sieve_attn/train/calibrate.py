@@ -34,8 +34,10 @@ def calibrate_feature_maps(model, windows: torch.Tensor, *, batch_size: int = 1,
     if not layers or all(layer.feature_map is None and layer.selection_weights is None for layer in layers):
         fail("model", "a model composed with SFAConfig(feature_map=True) or SFAConfig(selection='importance')",
              "a model without SFA" if not layers else "SFA layers with neither a feature map nor selection weights")
-    if windows.dim() != 2 or len(windows) == 0:
-        fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
+    if not isinstance(windows, torch.Tensor):
+        fail("windows", "a tensor of token ids [N >= 1, T]", type(windows).__name__)
+    if windows.dim() != 2 or len(windows) == 0 or windows.dtype not in (torch.int32, torch.int64):
+        fail("windows", "token ids [N >= 1, T] of dtype int64 or int32", f"{tuple(windows.shape)} {windows.dtype}")
     batch_size = check_int("batch_size", batch_size, 1)
     dim = head_dim(model)
     device = next(model.parameters()).device

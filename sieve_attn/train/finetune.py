@@ -10,6 +10,7 @@ sweep in docs/results.md.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -51,6 +52,18 @@ class FinetuneSettings(loop.TrainSettings):
     distill_weight: float = 0.0
     sparsity_weight: float = 0.0
 
+    def check(self) -> None:
+        """:meth:`loop.TrainSettings.check`, and the weights numbers >= 0, ``topk_warmup`` an int >= 0 and
+        ``mixed_precision`` one of :data:`MIXED_PRECISION`."""
+        super().check()
+        for name in ("matching_weight", "distill_weight", "sparsity_weight"):
+            weight = getattr(self, name)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+                fail(name, "a finite number >= 0", repr(weight))
+        check_int("topk_warmup", self.topk_warmup, 0)
+        if self.mixed_precision not in MIXED_PRECISION:
+            fail("mixed_precision", f"one of {sorted(MIXED_PRECISION)}", repr(self.mixed_precision))
+
 
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}
 
@@ -62,17 +75,6 @@ def topk_at(step: int, topk: int, dim: int, warmup: int) -> int:
     if step >= warmup:
         return topk
     return max(topk, min(dim, round(dim * (topk / dim) ** (step / warmup))))
-
-
-def _check(windows: torch.Tensor, settings: FinetuneSettings) -> None:
-    loop.check_settings(windows, settings)
-    for name in ("matching_weight", "distill_weight", "sparsity_weight"):
-        weight = getattr(settings, name)
-        if not isinstance(weight, (int, float)) or not weight >= 0:
-            fail(name, "a number >= 0", repr(weight))
-    check_int("topk_warmup", settings.topk_warmup, 0)
-    if settings.mixed_precision not in MIXED_PRECISION:
-        fail("mixed_precision", f"one of {sorted(MIXED_PRECISION)}", repr(settings.mixed_precision))
 
 
 def _set_topk(layers: list, step: int, warmup: int, dim: int) -> None:
@@ -349,7 +351,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     stays sharded afterwards. The rules are in :mod:`sieve_attn.train.distributed`.
     """
     settings = settings or FinetuneSettings()
-    _check(windows, settings)
+    loop.check_settings(windows, settings)
     if settings.validate_every and (validation is None or validation.dim() != 2 or len(validation) == 0
                                     or validation.shape[1] != windows.shape[1]):
         fail("validation", f"token ids [M >= 1, {windows.shape[1]}] with validate_every > 0",

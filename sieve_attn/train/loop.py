@@ -39,6 +39,18 @@ class TrainSettings:
     micro_batch: int | None = None
     validate_every: int = 0
 
+    def check(self) -> None:
+        """ValueError unless ``steps``, ``batch_size`` and ``checkpoint_every`` are ints >= 1, ``micro_batch`` None
+        or an int >= 1, ``warmup`` and ``validate_every`` ints >= 0 and ``lr`` a finite number > 0."""
+        check_int("steps", self.steps, 1)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("checkpoint_every", self.checkpoint_every, 1)
+        if self.micro_batch is not None:
+            check_int("micro_batch", self.micro_batch, 1)
+        check_int("warmup", self.warmup, 0)
+        check_int("validate_every", self.validate_every, 0)
+        check_positive_float("lr", self.lr)
+
 
 @dataclass
 class Job:
@@ -78,18 +90,9 @@ class Job:
     identity: dict = field(default_factory=dict)
 
 
-def check_settings(windows: torch.Tensor, settings) -> None:
-    """ValueError unless ``settings.steps``, ``settings.batch_size`` and ``settings.checkpoint_every`` are ints >= 1,
-    ``settings.micro_batch`` None or an int >= 1, ``settings.warmup`` an int >= 0, ``settings.lr`` > 0 and
-    ``windows`` is token ids [N >= 1, T]."""
-    check_int("steps", settings.steps, 1)
-    check_int("batch_size", settings.batch_size, 1)
-    check_int("checkpoint_every", settings.checkpoint_every, 1)
-    if settings.micro_batch is not None:
-        check_int("micro_batch", settings.micro_batch, 1)
-    check_int("warmup", settings.warmup, 0)
-    check_int("validate_every", settings.validate_every, 0)
-    check_positive_float("lr", settings.lr)
+def check_settings(windows: torch.Tensor, settings: TrainSettings) -> None:
+    """ValueError unless ``settings.check()`` passes and ``windows`` is token ids [N >= 1, T]."""
+    settings.check()
     if windows.dim() != 2 or len(windows) == 0:
         fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import sieve_attn as sa
 from sieve_attn.integrations.transformers import sfa_layers
@@ -127,6 +128,33 @@ def test_adapter_round_trip_and_refusal(tmp_path):
     other = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, top_k=1), sa.SFAConfig(topk=8))
     with pytest.raises(ValueError, match="model: expected a model composed with the adapter's configs"):
         sa.load_adapter(other, tmp_path)
+
+
+def test_an_adapter_fits_any_backend_and_a_misfit_leaves_the_model_plain(tmp_path):
+    """The backend only says which kernels compute SFA: an adapter saved with one loads into a model composed with
+    another, which keeps its own. Tensors that do not fit are refused before the model changes."""
+    torch.manual_seed(0)
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4, feature_map=True, backend="sdpa"))
+    for layer in sfa_layers(model):
+        layer.feature_map.data = torch.linalg.qr(torch.randn_like(layer.feature_map))[0]
+    sa.save_adapter(model, tmp_path)
+    ids = random_ids()
+    composed = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4, feature_map=True, backend="reference"))
+    sa.load_adapter(composed, tmp_path)
+    assert composed.sieve_sfa_config.backend == "reference"
+    assert all(layer.config.backend == "reference" for layer in sfa_layers(composed))
+    torch.testing.assert_close(_logits(composed, ids), _logits(model, ids), rtol=0, atol=1e-5)
+
+    tensors = load_file(str(tmp_path / "adapter.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name][:1]  # one KV head's map of two
+    save_file(tensors, str(tmp_path / "adapter.safetensors"))
+    plain = tiny_model("llama")
+    implementation = plain.config._attn_implementation
+    with pytest.raises(ValueError, match=rf"adapter tensor {name}: expected shape \(2, 16, 16\), got \(1, 16, 16\)"):
+        sa.load_adapter(plain, tmp_path)
+    assert getattr(plain, "sieve_sfa_config", None) is None and plain.config._attn_implementation == implementation
+    assert not list(sfa_layers(plain))
 
 
 def _matching_terms(topk: int, arch: str = "llama") -> list[torch.Tensor]:

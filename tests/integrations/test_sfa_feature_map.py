@@ -269,9 +269,11 @@ def test_misuse_is_refused():
         with pytest.raises(ValueError, match=f"model: expected a model composed with SFAConfig\\(feature_map=True\\) "
                                              f"or SFAConfig\\(selection='importance'\\), got {what}"):
             sa.calibrate_feature_maps(model, windows, progress=False)
-    for bad in (torch.zeros(0, 8, dtype=torch.long), windows[0]):
+    for bad in (torch.zeros(0, 8, dtype=torch.long), windows[0], windows.float()):
         with pytest.raises(ValueError, match="windows: expected token ids"):
             sa.calibrate_feature_maps(_mapped(), bad, progress=False)
+    with pytest.raises(ValueError, match="windows: expected a tensor of token ids \\[N >= 1, T\\], got list"):
+        sa.calibrate_feature_maps(_mapped(), list(windows), progress=False)
     with pytest.raises(ValueError, match="batch_size: expected an int in \\[1"):
         sa.calibrate_feature_maps(_mapped(), windows, batch_size=0, progress=False)
     for bad in ("yes", 1, None):

@@ -219,6 +219,18 @@ def test_explicit_triton_refuses_what_it_cannot_compute(kwargs, message):
         sfa_attention(q, q, q, topk=4, backend="triton", **kwargs)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="needs tensors the kernels cannot take: CPU ones without the interpreter")
+def test_kernel_entry_points_refuse_tensors_the_kernels_cannot_take(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = _qkv(1, 2, 1, 8, 8, 16, F32, seed=9)
+    with pytest.raises(ValueError, match="^q_val, k_val, v: expected tensors the FlashSFA kernels can take, got the "
+                                         "Triton kernels run on CUDA devices"):
+        sfa_attention_from_codes(*sparse_codes(q, 4), *sparse_codes(k, 4), v)
+    with pytest.raises(ValueError, match="^q: expected tensors the FlashSFA kernels can take, got the Triton "
+                                         "kernels run on CUDA devices"):
+        dense_cuda_core_attention(q, k, v)
+
+
 def test_from_codes_rejects_malformed_codes():
     q, k, v = _qkv(1, 2, 1, 8, 8, 16, F32, seed=9)
     (qi, qv), (ki, kv) = sparse_codes(q, 4), sparse_codes(k, 4)

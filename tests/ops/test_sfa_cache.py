@@ -521,11 +521,11 @@ def test_reference_in_float64_is_sfa_of_the_dense_keys_one_block_at_a_time(monke
     indices, int16 once unpacked)."""
     densified = []
 
-    def recording_densify(indices, values, dim):
+    def recording_scatter(indices, values, dim):
         densified.append(indices.shape[2])
         return densify(indices, values, dim)
 
-    monkeypatch.setattr(decode_module, "densify", recording_densify)
+    monkeypatch.setattr(decode_module, "scatter_codes", recording_scatter)
     torch.manual_seed(0)
     k, v = random_kv(2, 2, 100, head_dim, F64)
     q = torch.randn(2, 4, 3, head_dim, dtype=F64, device=DEVICE)
@@ -607,6 +607,9 @@ BAD_CALLS = {
     "decode-3d-q": ("q", lambda: sfa_decode(tokens(1)[0], make_cache())),
     "decode-nan-q": ("q", lambda: sfa_decode(with_nan(tokens(1)), make_cache())),
     "decode-bad-scale": ("scale", lambda: sfa_decode(tokens(1), make_cache(), scale=-1.0)),
+    "decode-infinite-scale": ("scale", lambda: sfa_decode(tokens(1), make_cache(), scale=float("inf"))),
+    "decode-triton-under-autograd": ("backend", lambda: sfa_decode(tokens(1).requires_grad_(), make_cache(),
+                                                                   backend="triton")),
     "decode-unknown-backend": ("backend", lambda: sfa_decode(tokens(1), make_cache(), backend="cuda")),
     "decode-triton-float64": ("backend", lambda: sfa_decode(tokens(1, dtype=F64), make_cache(dtype=F64),
                                                             backend="triton")),
@@ -617,6 +620,16 @@ BAD_CALLS = {
 def test_bad_inputs_name_the_argument(name, call):
     with pytest.raises(ValueError, match=rf"^{name}: expected "):
         call()
+
+
+def test_auto_decodes_through_the_reference_where_autograd_records(monkeypatch):
+    """The decode kernel has no backward: under autograd "auto" takes the reference, whose output reaches q."""
+    monkeypatch.setattr(decode_module, "choose_backend", lambda backend, q, blocker: (
+        "reference" if blocker else "triton"))  # as auto on a GPU the kernels can serve
+    q = tokens(1).requires_grad_()
+    out, _ = sfa_decode(q, make_cache())
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
 
 
 def test_skip_nan_checks_lets_nan_through_and_keeps_the_other_checks():

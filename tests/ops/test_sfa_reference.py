@@ -420,6 +420,8 @@ BAD_CALLS = {
     "NaN in k": (call(k=k0.clone().index_fill_(2, torch.tensor([3]), float("nan")), topk=4), ("k",)),
     "backend unknown": (call(topk=4, backend="nope"), ("backend",)),
     "scale negative": (call(topk=4, scale=-1.0), ("scale",)),
+    "scale inf": (call(topk=4, scale=float("inf")), ("scale",)),
+    "softcap inf": (call(topk=4, softcap=float("inf")), ("softcap",)),
     "attn_mask float": (call(topk=4, attn_mask=torch.ones(B, 1, T, T)), ("attn_mask",)),
     "out wrong dtype": (call(topk=4, out=torch.empty(B, HQ, T, D, dtype=F64)), ("out",)),
     "codes: topk 0": (lambda: sparse_codes(q0, 0), ("topk",)),
@@ -432,6 +434,9 @@ BAD_CALLS = {
     "sparsify: topk D + 1": (lambda: sparsify(q0, D + 1), ("topk",)),
     "densify: dim 0": (lambda: densify(*sparse_codes(q0, 2), 0), ("dim",)),
     "densify: shapes differ": (lambda: densify(sparse_codes(q0, 2)[0], sparse_codes(q0, 3)[1], D), ("indices",)),
+    "densify: an index past dim": (lambda: densify(*sparse_codes(q0, 2), D // 2), ("indices",)),
+    "densify: a negative index": (lambda: densify(-1 - sparse_codes(q0, 2)[0].long(), sparse_codes(q0, 2)[1], D),
+                                  ("indices",)),
 }
 
 

@@ -67,7 +67,7 @@ def test_resume_equals_an_uninterrupted_run_and_weights_reload(tmp_path):
 
 
 def test_bad_settings_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="matching_weight: expected a number >= 0"):
+    with pytest.raises(ValueError, match="matching_weight: expected a finite number >= 0"):
         finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(matching_weight=-1))
     with pytest.raises(ValueError, match="windows: expected token ids"):
         finetune(tiny_model("llama"), _windows()[0], tmp_path)
@@ -264,7 +264,7 @@ def test_residual_energy_term_shrinks_the_energy_the_topk_drops(tmp_path):
     plain = finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path / "plain",
                      FinetuneSettings(steps=2, warmup=1, batch_size=2), progress=False)["history"]
     assert [h[4] for h in plain] == [None, None] and all(h[2] is not None for h in plain)
-    with pytest.raises(ValueError, match="sparsity_weight: expected a number >= 0, got -1"):
+    with pytest.raises(ValueError, match="sparsity_weight: expected a finite number >= 0, got -1"):
         finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(sparsity_weight=-1))
 
 
@@ -273,7 +273,7 @@ def test_distillation_needs_a_teacher_of_the_same_vocabulary(tmp_path):
         finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(distill_weight=1.0))
     with pytest.raises(ValueError, match="teacher: expected a model exactly when distill_weight > 0, got a model"):
         finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(), teacher=tiny_model("llama"))
-    with pytest.raises(ValueError, match="distill_weight: expected a number >= 0, got nan"):
+    with pytest.raises(ValueError, match="distill_weight: expected a finite number >= 0, got nan"):
         finetune(tiny_model("llama"), _windows(), tmp_path, FinetuneSettings(distill_weight=float("nan")))
     other = tiny_model("llama")
     other.resize_token_embeddings(other.config.vocab_size + 8)

@@ -90,10 +90,19 @@ def sparse_codes(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor
 
 def densify(indices: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tensor:
     """Zero-filled dense [..., dim] tensor with ``values`` [..., k] at ``indices`` [..., k] (any integer dtype,
-    distinct per vector) and 0 elsewhere; dtype of values. Differentiable in values."""
+    distinct per vector, in [0, dim): ValueError otherwise, checked with the NaN checks, so not within
+    :func:`sieve_attn.skip_nan_checks`) and 0 elsewhere; dtype of values. Differentiable in values."""
     dim = check_int("dim", dim, 1)
     if indices.shape != values.shape:
         fail("indices", f"the shape of values {tuple(values.shape)}", f"shape {tuple(indices.shape)}")
+    if not nan_checks_skipped():
+        wide = indices.long()
+        fail_where([("indices", f"coordinates in [0, dim = {dim})", "one outside", ((wide < 0) | (wide >= dim)).any())])
+    return scatter_codes(indices, values, dim)
+
+
+def scatter_codes(indices: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tensor:
+    """:func:`densify` without its checks, for codes this package made (a cache's, a selection's)."""
     dense = values.new_zeros(*values.shape[:-1], dim)
     return dense.scatter(-1, indices.long(), values)
 
@@ -120,4 +129,4 @@ def select(x: torch.Tensor, topk: int, weights: torch.Tensor | None = None) -> t
     """:func:`sparsify` without its argument checks, for callers that have done them (an SFA layer ranking by its
     own calibrated weights, which would otherwise wait on the device for every check of them)."""
     indices = top_indices(x, topk, weights)
-    return densify(indices, x.gather(-1, indices), x.shape[-1])
+    return scatter_codes(indices, x.gather(-1, indices), x.shape[-1])

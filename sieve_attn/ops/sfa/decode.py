@@ -56,7 +56,7 @@ from ..triton_common import (LOG2E, allow_next_kernel, choose_backend, hopper_or
                              kernel_blocker, on_device_of, prefetch_l2, prefetch_rows_l2, softmax_finish, softmax_start,
                              softmax_step, triton, wait_for_prior_kernel)
 from .cache import SFAKeyCache
-from .codes import densify, sparsify
+from .codes import scatter_codes, sparsify
 from .pool import pool_unit, unit_levels
 
 if triton is not None:
@@ -348,9 +348,9 @@ def sfa_decode(q: torch.Tensor, cache: SFAKeyCache, *, scale: float | None = Non
             cache first: query i sits at cache position len(cache) - Tq + i and attends positions <= its own.
         cache: the layer's :class:`.cache.SFAKeyCache`; q is sparsified with its ``topk``.
         scale: logit scale, default 1/sqrt(D) (the full head dim, not 1/sqrt(topk)).
-        backend: "reference" (PyTorch), "triton" (CUDA, or the interpreter with TRITON_INTERPRET=1; float16,
-            bfloat16 or float32, D a power of two in [16, 256]) or "auto" (triton on CUDA when it can, else the
-            reference).
+        backend: "reference" (PyTorch, differentiable), "triton" (CUDA, or the interpreter with
+            TRITON_INTERPRET=1; float16, bfloat16 or float32, D a power of two in [16, 256]; no backward, so
+            refused where autograd records q) or "auto" (triton on CUDA when it can, else the reference).
 
     Returns out [B, Hq, Tq, D] (q's dtype) and lse [B, Hq, Tq] (float32, natural log), equal to
     ``sfa_attention_reference(q, K, V, topk=cache.topk, causal=True, scale=scale)`` with K the dense keys the cache
@@ -396,7 +396,11 @@ def _check_decode_call(q, cache) -> None:
 
 def _resolve_backend(q: torch.Tensor, backend: str) -> str:
     check_choice("backend", backend, SFA_DECODE_BACKENDS)
-    return choose_backend(backend, q, kernel_blocker(q))
+    # The kernel has no backward: where autograd records, auto takes the reference, and triton is refused rather
+    # than returning an output cut off from q's graph.
+    recording = torch.is_grad_enabled() and q.requires_grad
+    blocker = "the triton decode kernel has no backward, and q requires grad" if recording else kernel_blocker(q)
+    return choose_backend(backend, q, blocker)
 
 
 def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,
@@ -424,7 +428,7 @@ def sfa_decode_reference(q: torch.Tensor, cache: SFAKeyCache, *, scale: float,
     acc = torch.zeros(batch, kv_heads, group, q_len, head_dim, dtype=compute_dtype, device=q.device)
     for start in range(0, k_len, block_keys):
         stop = min(start + block_keys, k_len)
-        keys = densify(*cache.keys(start, stop), head_dim).to(compute_dtype)  # unpacks this block only
+        keys = scatter_codes(*cache.keys(start, stop), head_dim).to(compute_dtype)  # unpacks this block only
         scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys) * scale
         k_pos = torch.arange(start, stop, device=q.device)
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))

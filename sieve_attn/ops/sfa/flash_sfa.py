@@ -84,7 +84,7 @@ import triton
 import triton.language as tl
 
 from ..._checks import check_qkv, check_softcap, fail, resolve_scale
-from ..triton_common import dot, on_device_of, tanh
+from ..triton_common import dot, kernel_blocker, on_device_of, tanh
 from .codes import sparse_codes
 
 # Running maximum of an empty row: finite, so exp2(m_old - m_new) never computes inf - inf.
@@ -512,6 +512,9 @@ def _check_codes(q_idx, q_val, k_idx, k_val, v) -> None:
         fail("v", "a head dim that is a power of two in [16, 256]", dim)
     if len({t.device for t in (q_idx, q_val, k_idx, k_val, v)}) != 1:
         fail("q_idx, q_val, k_idx, k_val, v", "one device", [str(t.device) for t in (q_idx, q_val, k_idx, k_val, v)])
+    blocker = kernel_blocker(v)
+    if blocker:
+        fail("q_val, k_val, v", "tensors the FlashSFA kernels can take", blocker)
 
 
 def sfa_attention_from_codes(q_idx: torch.Tensor, q_val: torch.Tensor, k_idx: torch.Tensor, k_val: torch.Tensor,
@@ -559,12 +562,11 @@ def dense_cuda_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     float16, bfloat16 or float32, D a power of two in [16, 256]. Returns (out [B, Hq, Tq, D] in q's dtype, lse
     [B, Hq, Tq] float32)."""
     check_qkv(q, k, v)
-    if q.dtype not in _DTYPES:
-        fail("q", "a float16, bfloat16 or float32 tensor", q.dtype)
+    blocker = kernel_blocker(q)
+    if blocker:
+        fail("q", "tensors the FlashSFA kernels can take", blocker)
     batch, q_heads, q_len, dim = q.shape
     kv_heads, k_len = k.shape[1:3]
-    if dim < 16 or dim > 256 or dim & (dim - 1):
-        fail("q", "a head dim that is a power of two in [16, 256]", dim)
     q, k, v = (t.contiguous() for t in (q, k, v))
     tiles = tiling(q.device)
     out = torch.empty(q.shape, dtype=_written_dtype(q), device=q.device)
