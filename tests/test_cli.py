@@ -13,7 +13,7 @@ from sieve_attn.integrations.transformers import adapter_state
 from tests.models import VOCAB, tiny_model
 
 
-@pytest.mark.parametrize("argv", [[], ["demo"], ["retrofit"], ["eval"], ["eval", "ppl"]])
+@pytest.mark.parametrize("argv", [[], ["demo"], ["retrofit"], ["eval"], ["eval", "ppl"], ["generate"]])
 def test_help_explains_every_command(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([*argv, "--help"])

@@ -150,6 +150,15 @@ def test_finetune_refuses_bad_settings_by_option_before_loading_the_model(tmp_pa
         main(["finetune", "--model", str(tmp_path / "no model here"), *options, "--out", str(tmp_path)])
 
 
+def test_a_dense_finetune_warns_of_the_sfa_options_it_ignores(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--steps"):  # stops before the model loads, after the warnings
+        main(["finetune", "--method", "dense", "--model", str(tmp_path / "no model here"), "--topk", "8",
+              "--feature-map", "none", "--steps", "0"])
+    err = capsys.readouterr().err
+    assert "warning: --topk 8 is ignored with --method dense" in err
+    assert "warning: --feature-map 'none' is ignored with --method dense" in err and "--selection" not in err
+
+
 @pytest.mark.slow
 def test_finetune_refuses_a_topk_above_the_head_dim_by_option(tmp_path):
     with pytest.raises(SystemExit, match="--topk: expected at most the model's head dim 64, got 65"):
