@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/sieve demo
+	$(BIN)/sieve demo --overwrite   # a rerun replaces runs/demo
 
 test: setup
 	$(BIN)/python -m pytest -q

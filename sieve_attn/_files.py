@@ -1,21 +1,43 @@
-"""Atomic file writes: a crash mid-write leaves the previous file intact."""
+"""Atomic file writes: a crash mid-write, or a power loss after it, leaves the previous file intact."""
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
 def atomic_write(path, write) -> None:
-    """Calls ``write(tmp)`` on a temporary file in ``path``'s folder (created if missing), then renames it to
-    ``path``."""
+    """Calls ``write(tmp)`` on a temporary file in ``path``'s folder (created if missing), flushes it to disk and
+    renames it to ``path``, then flushes the folder, so that ``path`` is the old file or the whole new one even
+    after a power loss. The file gets the permissions a plain ``open`` gives (0666 less the umask).
+
+    Temporary files of ``path`` that an earlier writer killed mid-write left behind (``.NAME.*`` beside it) are
+    removed first: one writer per path at a time, as every caller here writes from one process."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
+    for stale in path.parent.glob(f".{path.name}.*"):
+        stale.unlink(missing_ok=True)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+    open(tmp, "xb").close()  # created as open() creates files, so the writer's file keeps those permissions
     try:
-        write(tmp)
+        write(str(tmp))
+        with open(tmp, "rb+") as written:
+            os.fsync(written.fileno())
         os.replace(tmp, path)
+        _fsync_folder(path.parent)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flushes a folder's entries (the rename) to disk, where the platform lets a folder be opened."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,9 @@ def _train_args(parser: argparse.ArgumentParser, steps: int, lr: float = 1e-2) -
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--checkpoint-every", type=int, default=10, help="steps between atomic checkpoints (10)")
     group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    group.add_argument("--overwrite", action="store_true",
+                       help="delete an earlier run's files in --out first (without it, or --resume, a run refuses "
+                            "a folder that holds one)")
     group.add_argument("--train-text", nargs="+", default=None, metavar="PATH",
                        help="files or folders to train on, in this order; the word stdlib stands for the standard "
                             "library's training split (its top-level modules but the held-out ones), stdlib-packages "
@@ -304,6 +308,25 @@ def _files(text, split: int) -> list:
     return [f for path in paths for f in files_of(path)]
 
 
+# What a training command leaves in --out: a later run into the same folder would replace or orphan them.
+RUN_FILES = ("checkpoint.pt", "adapter", "model.safetensors", "result.json", "results.json")
+
+
+def _claim_out(args) -> None:
+    """Exits when --out holds an earlier run (:data:`RUN_FILES`, best-weights files) and neither --resume (continue
+    it) nor --overwrite (delete those files first, which it then does) was given."""
+    out = Path(args.out)
+    found = [name for name in RUN_FILES if (out / name).exists()] + sorted(p.name for p in out.glob("best-*"))
+    if not found or args.resume:
+        return
+    if not args.overwrite:
+        raise SystemExit(f"--out: expected a folder without an earlier run (--resume continues it, --overwrite "
+                         f"replaces it), got {str(out)!r} holding {', '.join(found)}")
+    for name in found:
+        path = out / name
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 def _windows(tokenizer, text, split: int, context: int, count):
     from .data.text import token_windows
 
@@ -318,9 +341,33 @@ def _focus_config(args):
                        train_routing=args.train_routing)
 
 
-def _train(model, tokenizer, args) -> dict:
+def _check_counts(args) -> None:
+    """Exits unless --context, and where the command has them --eval-windows and --threads, are at least 1."""
+    for option in ("context", "eval_windows", "threads"):
+        value = getattr(args, option, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{option.replace('_', '-')}: expected at least 1, got {value}")
+
+
+def _retrofit_settings(args):
+    """(FocusConfig, RetrofitSettings) of `sieve retrofit` or `sieve demo` from the options, checked with the rule
+    of causal routing (:func:`sieve_attn.train.retrofit.check_routing`) before any model loads: exits naming the
+    option."""
+    from .train.retrofit import RetrofitSettings, check_routing
+
+    with _errors_named_by_flag():
+        config = _focus_config(args)
+        settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                    checkpoint_every=args.checkpoint_every, micro_batch=args.micro_batch)
+        settings.check()
+        check_routing(config, settings, int(os.environ.get("WORLD_SIZE", "1")))
+    return config, settings
+
+
+def _train(model, tokenizer, args, config, settings) -> dict:
+    """Composes ``model`` with ``config`` (:func:`_retrofit_settings`) and trains its routers on --train-text."""
     from . import compose
-    from .train.retrofit import RetrofitSettings, retrofit
+    from .train.retrofit import retrofit
 
     # The routers' random start (compose draws it from torch's default generator) must follow --seed: torch seeds
     # that generator from the operating system in every new process (two `python -c "import torch;
@@ -328,21 +375,22 @@ def _train(model, tokenizer, args) -> dict:
     # That was the demo's run-to-run spread (first loss 2.381 vs 2.392, hard top-3 PPL 6.70-6.77); seeded, two
     # processes give the same losses and PPLs to the last bit. Under a launcher it also gives every rank the same start.
     torch.manual_seed(args.seed)
-    compose(model, _focus_config(args))
+    compose(model, config)
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
-    settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                checkpoint_every=args.checkpoint_every, micro_batch=args.micro_batch)
     return retrofit(model, windows, args.out, settings, resume=args.resume)
 
 
 def cmd_retrofit(args) -> int:
     from .train.distributed import finish, is_main, load_for_training
 
+    _check_counts(args)
+    config, settings = _retrofit_settings(args)
+    _claim_out(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
     model, tokenizer = load_for_training(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    result = _train(model, tokenizer, args)
+    result = _train(model, tokenizer, args, config, settings)
     if is_main():
         print(f"adapter saved to {result['adapter']}; final loss {result['history'][-1][1]:.4f}")
     finish()
@@ -353,6 +401,7 @@ def cmd_eval_ppl(args) -> int:
     from .eval.report import environment, evaluate_modes, format_table, write_json
     from .integrations.transformers import load_adapter, read_adapter_config, reconfigure
 
+    _check_counts(args)
     saved = None if args.adapter is None else read_adapter_config(args.adapter)
     modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
     model, tokenizer = _setup_with_weights(args, saved)
@@ -459,10 +508,13 @@ def cmd_demo(args) -> int:
     from .eval.report import environment, evaluate_modes, format_table, router_parameter_count, write_json
 
     started = time.time()
+    _check_counts(args)
+    config, settings = _retrofit_settings(args)
+    _claim_out(args)
     model, tokenizer = _setup(args)
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, held_out, ["dense"])
-    result = _train(model, tokenizer, args)
+    result = _train(model, tokenizer, args, config, settings)
     rows += evaluate_modes(model, held_out, ["soft", "hard"])
     params = router_parameter_count(model)
     table = format_table(rows) + f"\n\nrouter parameters: {params:,} (model weights frozen)"
@@ -539,6 +591,7 @@ def cmd_finetune(args) -> int:
     from .train.finetune import FinetuneSettings, finetune, load_weights
 
     started = time.time()
+    _check_counts(args)
     if args.calibration_windows < 1:
         raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
     if args.method == "dense":
@@ -556,6 +609,7 @@ def cmd_finetune(args) -> int:
         settings.check()
         sfa = SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped,
                         selection=args.selection) if args.method == "sfa" else None
+    _claim_out(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).

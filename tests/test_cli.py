@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from sieve_attn.cli import _train, build_parser, main
+from sieve_attn.cli import _retrofit_settings, _train, build_parser, main
 from sieve_attn.integrations.transformers import adapter_state
 from tests.models import VOCAB, tiny_model
 
@@ -41,6 +41,36 @@ def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(t
     (tmp_path / "adapter_config.json").write_text(json.dumps({"format": 1, "method": method}))
     with pytest.raises(SystemExit, match=message):
         main(["eval", "ppl", "--model", str(tmp_path / "no model here"), "--adapter", str(tmp_path), *argv])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["retrofit", "--steps", "0"], r"--steps: expected an int in \[1, inf\], got 0"),
+    (["retrofit", "--num-groups", "0"], r"--num-groups: expected an int in \[1"),
+    (["retrofit", "--context", "0"], "--context: expected at least 1, got 0"),
+    (["demo", "--batch-size", "2", "--micro-batch", "1"], "--train-routing: expected 'sinkhorn' when training with "
+                                                          "micro-batches"),
+    (["demo", "--eval-windows", "0"], "--eval-windows: expected at least 1, got 0"),
+    (["finetune", "--context", "0"], "--context: expected at least 1, got 0"),
+])
+def test_training_commands_refuse_bad_options_before_loading_the_model(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main([*argv, "--model", str(tmp_path / "no model here"), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("command", ["retrofit", "demo", "finetune"])
+def test_an_earlier_run_in_out_is_kept_unless_resumed_or_overwritten(tmp_path, command):
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    (out / "checkpoint.pt").write_bytes(b"someone's training")
+    (out / "notes.txt").write_text("not a run's file")
+    argv = [command, "--model", str(tmp_path / "no model here"), "--out", str(out)]
+    with pytest.raises(SystemExit, match="--out: expected a folder without an earlier run .*, got .* holding "
+                                         "checkpoint.pt, adapter"):
+        main(argv)
+    with pytest.raises(Exception) as failed:  # past the check, the missing model stops it
+        main([*argv, "--overwrite"])
+    assert not isinstance(failed.value, SystemExit)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.slow
@@ -97,7 +127,7 @@ def test_training_starts_from_the_seed_whatever_the_random_state(tmp_path):
         args = build_parser().parse_args(["retrofit", "--context", "32", "--steps", "2", "--num-groups", "4",
                                           "--window", "4", "--top-k", "1", "--train-text", str(text),
                                           "--out", str(tmp_path / name)])
-        history = _train(model, _CharTokenizer(), args)["history"]
+        history = _train(model, _CharTokenizer(), args, *_retrofit_settings(args))["history"]
         runs.append((history, adapter_state(model)))
     (history_a, routers_a), (history_b, routers_b) = runs
     assert history_a == history_b

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .._checks import fail
+from .._files import atomic_write
 from .._provenance import git_commit, source_digest
 from ..integrations.transformers import focus_layers, has_focus, is_composed, set_focus_mode
 from .perplexity import perplexity
@@ -68,7 +69,8 @@ def environment() -> dict:
 
 
 def write_json(record: dict, path) -> Path:
+    """Writes ``record`` as indented JSON to ``path`` atomically (:func:`sieve_attn._files.atomic_write`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2))
+    text = json.dumps(record, indent=2)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
     return path

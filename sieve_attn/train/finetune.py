@@ -389,7 +389,9 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
                    restore=partial(_restore, model, optimizer, params, out_dir if validating else None),
                    begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),
-                   identity={"model": composed_configs(model), "teacher": teacher_digest(teacher), "init": init},
+                   identity={"model": composed_configs(model), "teacher": teacher_digest(teacher), "init": init,
+                             # compared only where both runs validate (a resumed run may stop validating)
+                             **({} if validation is None else {"validation": loop.windows_digest(validation)})},
                    **early_stopping)
     model.eval()
     for layer in layers:

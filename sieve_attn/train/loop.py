@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -118,14 +118,14 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
     part, which goes to ``device`` cut into micro-batches of ``settings.micro_batch`` windows (it must divide the
     share: ValueError otherwise). The learning rate follows :func:`~sieve_attn.train.schedule.lr_at`. Every
     ``settings.checkpoint_every`` steps and after the last, ``out_dir/checkpoint.pt`` is written atomically by the
-    main process: {"step", **``job.snapshot()``, "history", "step_seconds" (this process's wall time of each
-    step's forwards, backwards and update, checkpoint writing excluded; None for steps of a checkpoint written
-    without them), "validations", "settings", "windows" (:func:`windows_digest`), "identity"}. With
-    ``settings.validate_every`` > 0 the job validates after every ``validate_every`` steps and after the last,
+    main process: {"job" (``job.name``), "step", **``job.snapshot()``, "history", "step_seconds" (this process's
+    wall time of each step's forwards, backwards and update, checkpoint writing excluded; None for steps of a
+    checkpoint written without them), "validations", "settings", "windows" (:func:`windows_digest`), "identity"}.
+    With ``settings.validate_every`` > 0 the job validates after every ``validate_every`` steps and after the last,
     before that step's checkpoint, and ``job.keep_best`` keeps the model of each new best. ``resume=True``
     continues from that file when it exists (every process reads it); the run then equals an uninterrupted one. It
-    refuses (ValueError) another ``job.identity``, other windows, or settings changed in more than
-    :data:`RESUMABLE_CHANGES`.
+    refuses (ValueError) another job's checkpoint, another ``job.identity``, other windows, settings changed in
+    more than :data:`RESUMABLE_CHANGES`, or a length the steps done cannot be continued to (:func:`_check_length`).
     """
     micro = micro_batch_size(settings, runtime)
     if settings.validate_every and job.validate is None:
@@ -136,6 +136,8 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
                                                  else (0, [], [], []))
     if not settings.validate_every:
         validations = []  # a run resumed without validation keeps its last weights, whatever came before
+    if start:  # what a crash between the checkpoint and job.checkpointed left undone (a run may have no step left)
+        job.checkpointed(validations)
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(settings.seed))
     bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc=job.name,
                disable=not (progress and runtime.is_main))
@@ -159,7 +161,7 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
         bar.set_postfix(loss=f"{history[-1][1]:.3f}")
         if (step + 1) % settings.checkpoint_every == 0 or last:
             state = job.snapshot()
-            runtime.write(lambda: save_checkpoint({"step": step + 1, **state, "history": history,
+            runtime.write(lambda: save_checkpoint({"job": job.name, "step": step + 1, **state, "history": history,
                                                    "step_seconds": step_seconds, "validations": validations,
                                                    "settings": asdict(settings), "windows": trained_on,
                                                    "identity": job.identity}, path))
@@ -182,7 +184,8 @@ def best_validation(validations: list[tuple]) -> tuple | None:
     return kept
 
 
-# Settings a resumed run may change: how long it runs and how it checkpoints, validates and splits its batches. Any
+# Settings a resumed run may change: how long it runs (while that leaves the learning rates of the steps done as they
+# were: _check_length) and how it checkpoints, validates and splits its batches. Any
 # other change of the settings (learning rate, batch, seed, the loss's weights, precision) would make the run
 # neither the one checkpointed nor a fresh one, so resuming refuses it, as it refuses another Job.identity (a model
 # composed otherwise, another teacher) and other windows.
@@ -194,6 +197,20 @@ def windows_digest(windows: torch.Tensor) -> str:
     return f"{windows.shape[0]} x {windows.shape[1]} {tensors_digest({'windows': windows.long()})}"
 
 
+def _check_length(settings, saved_steps: int, done: int, path: Path) -> None:
+    """ValueError unless a run of ``settings.steps`` can continue a checkpoint of a ``saved_steps``-step run after
+    ``done`` steps as if it had run uninterrupted: no fewer steps than done, and the learning rates of the steps
+    done the same under both lengths (:func:`~sieve_attn.train.schedule.lr_at`'s cosine decay spans the run, so
+    a run may be lengthened or shortened only while every step done was in warm-up)."""
+    if done > settings.steps:
+        fail("steps", f"at least the {done} steps {path} has trained", settings.steps)
+    before = replace(settings, steps=saved_steps)
+    if any(lr_at(step, before) != lr_at(step, settings) for step in range(done)):
+        fail("steps", f"{saved_steps}, the value in {path}, or a length under which its {done} steps have the "
+                      f"learning rates they were trained with (change the length only within the warm-up of "
+                      f"{settings.warmup} steps)", settings.steps)
+
+
 def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list, list, list]:
     """(first step to train, history, step seconds and validations so far) from the checkpoint at ``path``, its
     state restored; (0, [], [], []) without one. ValueError, before anything is restored, when the job's
@@ -203,6 +220,8 @@ def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list,
     state = load_checkpoint(path)
     if state is None:
         return 0, [], [], []
+    if state.get("job", job.name) != job.name:
+        fail("out_dir", f"a folder whose checkpoint a {job.name} run wrote", f"{path}, written by {state['job']}")
     identity = state.get("identity", {})
     for name, value in job.identity.items():
         if name in identity and identity[name] != value:
@@ -215,6 +234,7 @@ def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list,
         if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value:
             fail(name, f"{saved[name]!r}, the value in {path} (a resumed run may change only "
                        f"{', '.join(RESUMABLE_CHANGES)}; start a new run in another directory to change it)", value)
+    _check_length(settings, saved.get("steps", settings.steps), state["step"], path)
     job.restore(state)
     return (state["step"], state["history"], state.get("step_seconds", [None] * state["step"]),
             state.get("validations", []))

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .._checks import check_tensors_fit, fail
+from ..config import FocusConfig
 from ..integrations.transformers import (adapter_state, composed_configs, focus_layers, is_composed, save_adapter,
                                           set_focus_mode)
 from . import distributed, loop
@@ -31,16 +32,17 @@ def _check_arguments(model, windows: torch.Tensor, settings: RetrofitSettings) -
         fail("model", "trainable parameters that are all Focus router parameters", others[:3] or "none trainable")
 
 
-def _check_routing(model, runtime, settings: RetrofitSettings) -> None:
-    """Causal routing uses the group biases in the same forward that updates them, and on several processes or
-    micro-batches each forward would update them from its own part of the batch: the routers would differ from
+def check_routing(config: FocusConfig, settings: RetrofitSettings, processes: int) -> None:
+    """ValueError when ``config`` routes causally in training across ``processes`` > 1 or micro-batches: causal
+    routing uses the group biases in the same forward that updates them, and on several processes or
+    micro-batches each forward would update them from its own part of the batch, so the routers would differ from
     those of one forward over the whole batch."""
-    if model.sieve_config.train_routing != "causal":
+    if config.train_routing != "causal":
         return
-    if runtime.world_size > 1:
+    if processes > 1:
         fail("train_routing", "'sinkhorn' when training on several processes (with 'causal' each process's "
                               "forward would use group biases of its own share of the batch)", "'causal'")
-    if loop.micro_batch_size(settings, runtime) < settings.batch_size:
+    if settings.micro_batch is not None and settings.micro_batch < settings.batch_size:
         fail("train_routing", "'sinkhorn' when training with micro-batches (with 'causal' each micro-batch's "
                               "forward would use group biases of its own part of the batch)", "'causal'")
 
@@ -121,14 +123,16 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     settings = settings or RetrofitSettings()
     _check_arguments(model, windows, settings)
     runtime = distributed.runtime(settings.batch_size)
-    _check_routing(model, runtime, settings)
+    check_routing(model.sieve_config, settings, runtime.world_size)
     runtime.place(model)
     trainable = _router_parameters(model)  # after placing: moving the routers may have replaced them
     inference_mode = model.sieve_config.mode
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=0.0)
     job = loop.Job("retrofit", step=partial(_train_step, model, trainable, optimizer, runtime),
                    snapshot=lambda: {"routers": adapter_state(model), "optimizer": optimizer.state_dict()},
-                   restore=partial(_restore, model, optimizer), identity={"model": composed_configs(model)})
+                   restore=partial(_restore, model, optimizer),
+                   identity={"model": composed_configs(model),
+                             "dtype": str(model.get_input_embeddings().weight.dtype)})  # the frozen base's
     model.eval()
     set_focus_mode(model, "train")
     for layer in focus_layers(model):

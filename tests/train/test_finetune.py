@@ -115,7 +115,8 @@ def test_activation_checkpointing_trains_the_same_weights_and_writes_the_same_na
 
     plain, wrapped = (sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)) for _ in range(2))
     apply_activation_checkpointing(wrapped, check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
-    settings = FinetuneSettings(steps=3, lr=3e-3, warmup=1, batch_size=2, checkpoint_every=2)
+    # Warm-up over every step, so that the 3-step run can be resumed as a 4-step one (loop._check_length).
+    settings = FinetuneSettings(steps=3, lr=3e-3, warmup=4, batch_size=2, checkpoint_every=2)
     a = finetune(plain, _windows(), tmp_path / "plain", settings, progress=False)
     b = finetune(wrapped, _windows(), tmp_path / "wrapped", settings, progress=False)
     flat = [[value for row in run["history"] for value in row[1:] if value is not None] for run in (a, b)]
@@ -453,6 +454,25 @@ def test_validated_run_resumes_like_an_uninterrupted_one(tmp_path):
     assert [v for _, v in resumed["validations"]] == pytest.approx([v for _, v in whole["validations"]], rel=1e-5)
     for (name, a), b in zip(whole_model.named_parameters(), resumed_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_resume_refuses_other_validation_windows_and_finishes_the_cleanup_a_crash_cut_short(tmp_path):
+    """Validations on other windows would choose the best weights across two sets: refused. A crash between the
+    last checkpoint and the deletion of superseded best weights leaves one behind; resuming (with no step left)
+    deletes it."""
+    settings = FinetuneSettings(steps=2, lr=3e-2, warmup=1, batch_size=2, checkpoint_every=1, validate_every=1)
+    validation = random_ids(2, 24, seed=9)
+    done = finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings,
+                    validation=validation, progress=False)
+    with pytest.raises(ValueError, match="validation: expected '2 x 24 sha256:"):
+        finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings,
+                 validation=random_ids(2, 24, seed=10), resume=True, progress=False)
+    kept = f"best-{done['best_step']}.safetensors"
+    superseded = tmp_path / ("best-1.safetensors" if kept != "best-1.safetensors" else "best-2.safetensors")
+    superseded.write_bytes((tmp_path / kept).read_bytes())
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings,
+             validation=validation, resume=True, progress=False)
+    assert sorted(p.name for p in tmp_path.glob("best-*")) == [kept]
 
 
 def test_validation_scores_sfa_at_its_configured_topk_without_matching_terms():

@@ -1,6 +1,8 @@
 """Router-only retrofit of a tiny Llama: frozen weights, checkpoints, resume, and the adapter it writes."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -45,7 +47,7 @@ def _router_tensors(model) -> dict[str, torch.Tensor]:
 
 
 def _leftovers(folder):
-    """Temporary files an atomic write would leave behind (mkstemp names start with a dot)."""
+    """Temporary files an atomic write would leave behind (their names start with a dot)."""
     return sorted(p.name for p in folder.rglob(".*"))
 
 
@@ -146,6 +148,40 @@ def test_resume_a_shorter_run(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+def test_resume_refuses_a_length_that_changes_the_learning_rates_of_the_steps_done(tmp_path):
+    """Past the warm-up the cosine decay spans the run: 3 steps of a 3-step run (warm-up 1) were taken at other
+    rates than a 6-step run takes them, so resuming them as 6 steps would not be the 6-step run; and a run
+    cannot end before the steps its checkpoint holds."""
+    settings = dict(SETTINGS, warmup=1)
+    retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=3, **settings), progress=False)
+    with pytest.raises(ValueError, match="steps: expected 3, the value in .*, or a length under which its 3 steps "
+                                         "have the learning rates they were trained with"):
+        retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=6, **settings), resume=True,
+                 progress=False)
+    with pytest.raises(ValueError, match="steps: expected at least the 3 steps .* has trained, got 2"):
+        retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=2, **settings), resume=True,
+                 progress=False)
+
+
+def test_resume_refuses_another_jobs_checkpoint(tmp_path):
+    from sieve_attn.train.finetune import FinetuneSettings, finetune
+
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path,
+             FinetuneSettings(steps=2, batch_size=2, checkpoint_every=1), progress=False)
+    with pytest.raises(ValueError, match="out_dir: expected a folder whose checkpoint a retrofit run wrote, got "
+                                         ".*checkpoint.pt, written by finetune"):
+        retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=2, **SETTINGS), resume=True,
+                 progress=False)
+
+
+def test_resume_refuses_a_base_model_of_another_dtype(tmp_path):
+    retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=2, **SETTINGS), progress=False)
+    with pytest.raises(ValueError, match="dtype: expected 'torch.float32', what .* was trained with, got "
+                                         "'torch.bfloat16'"):
+        retrofit(_composed().to(torch.bfloat16), _windows(), tmp_path, RetrofitSettings(steps=2, **SETTINGS),
+                 resume=True, progress=False)
+
+
 def test_resume_without_checkpoint_starts_fresh(tmp_path):
     a, b = _composed(), _composed()
     ha = retrofit(a, _windows(), tmp_path / "a", RetrofitSettings(steps=2, **SETTINGS), progress=False)["history"]
@@ -171,6 +207,16 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert state["step"] == 1 and torch.equal(state["weights"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
     assert load_checkpoint(tmp_path / "missing.pt") is None
+
+
+def test_atomic_writes_clear_a_killed_writers_leftovers_and_leave_files_others_can_read(tmp_path):
+    (tmp_path / ".checkpoint.pt.5ca1ab1e").write_bytes(b"half a checkpoint")  # a writer killed mid-write
+    (tmp_path / ".other.pt.5ca1ab1e").write_bytes(b"another file's")
+    save_checkpoint({"step": 1}, tmp_path / "checkpoint.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.5ca1ab1e", "checkpoint.pt"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "checkpoint.pt").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 @pytest.mark.parametrize("field, value", [("checkpoint_every", 0), ("warmup", -1), ("steps", 0)])
