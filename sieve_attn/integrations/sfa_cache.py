@@ -43,6 +43,7 @@ class SFACacheLayer(CacheLayerMixin):
         self.is_sliding = window is not None
         self.store: Optional[SFAKeyCache] = None
         self.seen = 0
+        self.rows_version = 0  # how often the batch rows were reordered, selected or repeated (Focus checks it)
 
     def __deepcopy__(self, memo):
         # copy.deepcopy of a cache (transformers' way to reuse a prompt's cache) copies the codes; the copy still
@@ -141,6 +142,7 @@ class SFACacheLayer(CacheLayerMixin):
         indices, values = self.store.keys(start, stop)
         v = self.store.values()[:, :, start:stop]
         if rows is not None:
+            self.rows_version += 1
             rows = rows.to(self.device)
             indices, values, v = indices[rows], values[rows], v[rows]
         self.store = self._empty_store(v.shape[0], v.dtype, v.shape[2])

@@ -7,6 +7,7 @@ the module's input hidden states through a forward pre-hook. No model class is p
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Iterator, Optional
@@ -53,6 +54,8 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         attention_mask = attention_mask == 0  # additive float mask: 0 where attended
     key, value, attention_mask = _filled_slots(key, value, attention_mask, getattr(module, START_ATTR, None),
                                                query.shape[2])
+    if focus is not None:
+        _check_sinks_unpadded(focus, attention_mask, getattr(module, START_ATTR, None))
     if torch.is_autocast_enabled(query.device.type):
         # As SDPA under autocast does: attention in the autocast dtype. transformers' RoPE hands back q and k in
         # float32 there (its cos and sin are float32) beside the projection's bfloat16 v, which our ops refuse.
@@ -62,6 +65,17 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
     kwargs = dict(attn_mask=attention_mask, scale=scaling, softcap=softcap)
     out = sfa.attend(query, key, value, focus=focus, **kwargs) if sfa else focus.attend(query, key, value, **kwargs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_sinks_unpadded(focus: FocusLayer, attention_mask, start: Optional[int]) -> None:
+    """ValueError for a left-padded batch under sink tokens: the sinks are each row's first slots, which padding
+    holds, so a padded row would lose its sinks and its outputs differ from the row's alone (docs/decisions.md,
+    decision 5). Checked on a sequence's first pass (one host synchronisation), where a padded row's first slot
+    is masked for its own query."""
+    if not start and attention_mask is not None and focus.config.mode != "dense" and focus.config.sink_tokens and \
+            not bool(attention_mask[:, :, 0, 0].all()):
+        fail("sink_tokens", "0 for a left-padded batch (sinks are the first slots of each row, which padding "
+                            "holds), or a batch without padding", focus.config.sink_tokens)
 
 
 def _filled_slots(key, value, attention_mask, start: Optional[int], q_len: int):
@@ -150,7 +164,22 @@ def _observe_pass(module, args, kwargs):
     setattr(module, START_ATTR, start)
     focus = getattr(module, LAYER_ATTR, None)
     if focus is not None:
-        focus.observe(kwargs.get("hidden_states", args[0] if args else None), start)
+        focus.observe(kwargs.get("hidden_states", args[0] if args else None), start, cache,
+                      None if cache is None else functools.partial(_rows_token, cache, module.layer_idx))
+
+
+def _rows_token(cache, layer_idx: int):
+    """A token of the batch rows of a cache's layer (:meth:`FocusLayer.observe`'s ``rows``): an
+    :class:`~sieve_attn.SFACache` layer counts the times its rows were reordered, selected or repeated; a layer
+    of dense tensors gives the storage of its keys, which transformers replaces when it reorders, selects or
+    repeats the rows (beam search) and when it appends, and keeps when it crops. None where neither applies (a
+    static cache reorders its rows in place: not detected)."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if hasattr(layer, "rows_version"):
+        return layer.rows_version
+    keys = getattr(layer, "keys", None)
+    return keys.untyped_storage().data_ptr() if isinstance(keys, torch.Tensor) and keys.numel() else None
 
 
 def _split_configs(configs) -> tuple[Optional[FocusConfig], Optional[SFAConfig]]:

@@ -1,12 +1,14 @@
 """Focus attached to one attention layer: router, routing of cached tokens, and the attention it computes."""
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Optional
+import weakref
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from .._checks import fail
 from ..config import FocusConfig
 from ..ops.blockwise import blockwise_attention
 from ..ops.focus.attention import focus_attention, focus_soft_attention
@@ -33,25 +35,39 @@ class FocusLayer(nn.Module):
         self.router = FocusRouter(hidden_size, config)
         self.count_pairs = False
         self.pair_counts = [0, 0]  # attended, candidates (hard mode, while count_pairs is on)
-        self._pending: Optional[tuple[torch.Tensor, Optional[int]]] = None  # router logits, start position
-        self._past: Optional[torch.Tensor] = None
+        self._pending: Optional[_Pass] = None
+        # Routing of the tokens each KV cache holds, per cache (a pass without a cache keeps none): the routing
+        # history, the cache's rows token after the pass that wrote it, and the tokens it covers.
+        self._past: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def extra_repr(self) -> str:
         return f"mode={self.config.mode!r}, window={self.config.window}, top_k={self.config.top_k}"
 
     def reconfigure(self, **changes) -> None:
         """Changes inference settings (mode, top_k, window, sink_tokens, ...); the router's shape is fixed."""
+        unknown = sorted(set(changes) - {f.name for f in fields(FocusConfig)})
+        if unknown:
+            fail(unknown[0], f"one of FocusConfig's settings ({', '.join(f.name for f in fields(FocusConfig))})",
+                 "a name FocusConfig does not have")
         fixed = {"num_groups", "group_dim"} & set(changes)
         if fixed:
             raise ValueError(f"{sorted(fixed)[0]}: expected the router's own value, got a change (retrain instead)")
         self.config = replace(self.config, **changes)
         self.router.config = self.config
-        self._past = None
+        self._past.clear()
 
-    def observe(self, hidden_states: torch.Tensor, start: Optional[int] = None) -> None:
+    def observe(self, hidden_states: torch.Tensor, start: Optional[int] = None, cache=None,
+                rows: Optional[Callable[[], object]] = None) -> None:
         """Routes the tokens of this pass: hidden_states [B, Tq, hidden] at absolute positions start.. (None: the
-        keys of :meth:`attend` are the whole sequence so far, so start = Tk - Tq)."""
-        self._pending = None if self.config.mode == "dense" else (self.router(hidden_states), start)
+        keys of :meth:`attend` are the whole sequence so far, so start = Tk - Tq). ``cache``: the KV cache the
+        pass extends (None: none), whose earlier tokens' routing this layer remembered from the passes that wrote
+        them. ``rows()``: a token of the cache's batch rows that changes when something between passes reorders,
+        selects or repeats them (beam search) and not when tokens are appended or cropped; None where the cache
+        cannot tell."""
+        if self.config.mode == "dense":
+            self._pending = None
+            return
+        self._pending = _Pass(self.router(hidden_states), start, cache, None if rows is None else rows(), rows)
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] for the current mode (queries aligned to the end of the keys)."""
@@ -63,22 +79,22 @@ class FocusLayer(nn.Module):
         if pending is None:
             raise RuntimeError("FocusLayer.attend: the router has not seen this pass's hidden states; "
                                "the host attention module must be composed with sieve_attn.compose")
-        logits, start = pending
+        logits = pending.logits
         q_len, k_len = q.shape[2], k.shape[2]
-        start = k_len - q_len if start is None else start
+        start = k_len - q_len if pending.start is None else pending.start
         if cfg.mode == "train":
             causal = cfg.train_routing == "causal"
             if k_len != q_len and not causal:
                 raise RuntimeError("Focus mode 'train' routes with Sinkhorn over the whole sequence and cannot "
                                    "extend a KV cache; use mode 'soft' or 'hard' to generate")
             current = with_sinks_soft(self.router.training_assign(logits, causal), start, cfg.sink_tokens)
-            assign = self._routing_of_keys(current, start, k_len)
+            assign = self._routing_of_keys(current, start, k_len, pending)
         elif cfg.mode == "soft":
             current = with_sinks_soft(causal_log_assign(logits, self.router.group_bias).exp(), start, cfg.sink_tokens)
-            assign = self._routing_of_keys(current, start, k_len)
+            assign = self._routing_of_keys(current, start, k_len, pending)
         else:
             ids = hard_groups(logits, self.router.group_bias, cfg.top_k, start, cfg.sink_tokens)
-            groups = self._routing_of_keys(FocusGroups.routed(ids, cfg.num_groups), start, k_len)
+            groups = self._routing_of_keys(FocusGroups.routed(ids, cfg.num_groups), start, k_len, pending)
             if self.count_pairs:
                 attended, candidates = count_attended_pairs(groups.ids, cfg.window, q_len=q_len)
                 self.pair_counts[0] += attended
@@ -88,25 +104,57 @@ class FocusLayer(nn.Module):
         return focus_soft_attention(q, k, v, assign, window=cfg.window, gate=cfg.gate, gate_lambda=cfg.gate_lambda,
                                     scale=scale, softcap=softcap, attn_mask=attn_mask)
 
-    def _routing_of_keys(self, current, start: int, k_len: int):
+    def _routing_of_keys(self, current, start: int, k_len: int, this_pass: "_Pass"):
         """Routing of the keys present, given the routing ``current`` of the new tokens at absolute positions
         start.. : soft memberships [B, Tq, K] or hard :class:`FocusGroups`. The keys are the last k_len of the
         sequence: a sliding-window cache keeps only the most recent tokens, so routing is remembered for the whole
-        sequence and sliced by absolute position."""
+        sequence (per cache: ``this_pass.cache``) and sliced by absolute position."""
         history = current
         if start:
-            past = self._past
-            known = None if past is None else _length(past)
-            if known is None or _batch(past) != _batch(current) or known < start or type(past) is not type(current):
+            past = None if this_pass.cache is None else self._past.get(this_pass.cache)
+            routing = None if past is None else past.routing
+            known = None if routing is None else _length(routing)
+            if known is None or _batch(routing) != _batch(current) or known < start or \
+                    type(routing) is not type(current):
                 raise RuntimeError(f"FocusLayer: the KV cache holds {start} tokens but the router has seen "
-                                   f"{known or 0} (batch {None if past is None else _batch(past)}, now "
-                                   f"{_batch(current)}); run the whole prompt through the composed model")
+                                   f"{known or 0} of this cache's (batch {None if routing is None else _batch(routing)}"
+                                   f", now {_batch(current)}); run the whole prompt through the composed model "
+                                   f"with this cache (the routing of cached tokens is kept per cache, and a change "
+                                   f"of the Focus settings forgets it)")
+            if this_pass.rows_before != past.rows and start >= past.length:
+                raise RuntimeError("FocusLayer: the KV cache's batch rows were reordered, selected or repeated "
+                                   "between passes (beam search does this); the routing of the cached tokens "
+                                   "cannot follow, so generate without beams (num_beams=1)")
             if isinstance(current, FocusGroups):
-                history = past.span(0, start).extend(current)
+                history = routing.span(0, start).extend(current)
             else:
-                history = torch.cat([past[:, :start], current], dim=1)
-        self._past = history if isinstance(history, FocusGroups) else history.detach()
+                history = torch.cat([routing[:, :start], current], dim=1)
+        if this_pass.cache is not None:
+            rows = None if this_pass.rows is None else this_pass.rows()  # after this pass appended its tokens
+            kept = history if isinstance(history, FocusGroups) else history.detach()
+            self._past[this_pass.cache] = _Routed(kept, rows, start + _length(current))
         return history.last(k_len) if isinstance(history, FocusGroups) else history[:, history.shape[1] - k_len:]
+
+
+@dataclass
+class _Pass:
+    """What :meth:`FocusLayer.observe` hands :meth:`FocusLayer.attend`: the router logits of the pass's tokens,
+    their start position, the cache, its rows token before the pass and how to read it again."""
+
+    logits: torch.Tensor
+    start: Optional[int]
+    cache: object
+    rows_before: object
+    rows: Optional[Callable[[], object]]
+
+
+@dataclass
+class _Routed:
+    """The routing of the tokens a cache holds (``length`` of them) and its rows token when it was written."""
+
+    routing: object
+    rows: object
+    length: int
 
 
 def _length(routing) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import FocusConfig
@@ -37,10 +38,13 @@ class FocusRouter(nn.Module):
         self.group_bias.zero_()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [B, T, hidden] -> logits [B, T, K] (float32)."""
-        projected = self.proj(hidden_states.float())
-        projected = projected * projected.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
-        return projected @ self.centroids.t() / self.config.tau
+        """hidden_states [B, T, hidden] -> logits [B, T, K], computed in float32 whatever the model's dtype, the
+        router's own (a model cast after compose casts it too) or an autocast: at tau = 0.1 bfloat16 logits would
+        be off by tenths, enough to swap near-tied groups."""
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            projected = F.linear(hidden_states.float(), self.proj.weight.float())
+            projected = projected * projected.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+            return projected @ self.centroids.float().t() / self.config.tau
 
     def training_assign(self, logits: torch.Tensor, causal: bool) -> torch.Tensor:
         """Training-time memberships [B, T, K] (rows sum to 1) from logits [B, T, K].

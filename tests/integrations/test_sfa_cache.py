@@ -5,22 +5,21 @@ composed model, and the composed model in float64 (for the FlashAttention error 
 """
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 import sieve_attn as sa
 import sieve_attn.nn.sfa_layer as sfa_layer
+from sieve_attn.eval.generate import cache_keyword, greedy_recompute
 from sieve_attn.integrations.sfa_cache import SFACacheLayer
 from sieve_attn.integrations.transformers import sfa_layers
 from sieve_attn.ops.sfa.cache import packed_bytes
 
 try:
-    from tests.integrations.test_transformers import _greedy_recompute, _left_padded, _logits
+    from tests.integrations.test_transformers import _left_padded, _logits
     from tests.models import random_ids, skip_without_cpu_kernels, threads, tiny_model
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
-    from integrations.test_transformers import _greedy_recompute, _left_padded, _logits
+    from integrations.test_transformers import _left_padded, _logits
     from models import random_ids, skip_without_cpu_kernels, threads, tiny_model
 
 TOPK, PROMPT, NEW, LAYERS = 4, 20, 8, 2
@@ -47,10 +46,7 @@ def decode_calls(monkeypatch) -> list:
 
 
 def _cache_argument(model, cache) -> dict:
-    """The forward/generate keyword of a cache: ``cache`` in the transformers versions that renamed
-    ``past_key_values`` (5.2x), which still accept the old name with a FutureWarning."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+    return {cache_keyword(model): cache}
 
 
 def _generate(model, ids, cache=None, **kwargs):
@@ -84,7 +80,7 @@ def test_generation_reads_the_codes_and_equals_recomputation(arch, backend, deco
     assert len(decode_calls) == (NEW - 1) * LAYERS and all(shape[2] == 1 for shape in decode_calls)
     dense = _generate(reference, prompt)
     assert torch.equal(compressed.sequences, dense.sequences)
-    assert torch.equal(compressed.sequences, _greedy_recompute(reference, prompt, NEW))
+    assert torch.equal(compressed.sequences, greedy_recompute(reference, prompt, NEW))
 
     exact = _logits(sa.compose(tiny_model(arch).double(), sa.SFAConfig(topk=TOPK)), compressed.sequences[:, :-1])
     exact = exact[:, PROMPT - 1:]
@@ -190,7 +186,7 @@ def test_prompt_lookup_generation_crops_the_codes_and_equals_recomputation(confi
     prompt = torch.cat([part, part, part], dim=1)  # repeats, so prompt lookup finds drafts
     out = _generate(model, prompt, sa.SFACache(model), max_new_tokens=16, prompt_lookup_num_tokens=4,
                     output_logits=False, return_dict_in_generate=False)
-    assert torch.equal(out, _greedy_recompute(model, prompt, 16))
+    assert torch.equal(out, greedy_recompute(model, prompt, 16))
     assert any(n < 0 for n in crops)
 
 

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import sieve_attn as sa
 import sieve_attn.nn.sfa_layer as sfa_layer
+from sieve_attn.eval.generate import greedy_recompute
 from sieve_attn.integrations.transformers import adapter_state, sfa_layers
 from sieve_attn.nn.sfa_layer import Moments, SFALayer
 from sieve_attn.train.calibrate import _calibrated as calibrated_layer
@@ -20,12 +21,10 @@ from sieve_attn.train.finetune import FinetuneSettings, finetune, load_weights
 try:
     from tests.integrations.test_sfa_cache import _generate, _step_logits
     from tests.integrations.test_sfa_compose import _logits, _one_thread  # noqa: F401 (an autouse fixture)
-    from tests.integrations.test_transformers import _greedy_recompute
     from tests.models import random_ids, tiny_model
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
     from integrations.test_sfa_cache import _generate, _step_logits
     from integrations.test_sfa_compose import _logits, _one_thread  # noqa: F401 (an autouse fixture)
-    from integrations.test_transformers import _greedy_recompute
     from models import random_ids, tiny_model
 
 HEAD_DIM, TOPK, KV_HEADS = 16, 4, 2  # the tiny llama: 4 query heads, 2 KV heads of dim 16
@@ -215,7 +214,7 @@ def test_generation_over_the_cache_matches_the_full_forward(arch, monkeypatch):
         assert len(decodes) == (NEW - 1) * 2 and all(shape[2] == 1 for shape in decodes)
     dense = _generate(model, prompt)
     assert torch.equal(compressed.sequences, dense.sequences)
-    assert torch.equal(compressed.sequences, _greedy_recompute(model, prompt, NEW))
+    assert torch.equal(compressed.sequences, greedy_recompute(model, prompt, NEW))
     full = _logits(model, compressed.sequences[:, :-1])[:, PROMPT - 1:]
     torch.testing.assert_close(_step_logits(compressed), full, rtol=0, atol=1e-4)
     torch.testing.assert_close(_step_logits(dense), full, rtol=0, atol=1e-4)

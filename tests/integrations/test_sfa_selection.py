@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sieve_attn as sa
+from sieve_attn.eval.generate import greedy_recompute
 from sieve_attn.integrations.transformers import adapter_state, sfa_layers
 from sieve_attn.nn.sfa_layer import Moments, SFALayer
 from sieve_attn.ops.sfa.codes import sparsify
@@ -15,12 +16,10 @@ from sieve_attn.train.finetune import FinetuneSettings, finetune
 try:
     from tests.integrations.test_sfa_cache import _generate, _step_logits
     from tests.integrations.test_sfa_compose import _logits, _one_thread  # noqa: F401 (an autouse fixture)
-    from tests.integrations.test_transformers import _greedy_recompute
     from tests.models import random_ids, skip_without_cpu_kernels, tiny_model
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
     from integrations.test_sfa_cache import _generate, _step_logits
     from integrations.test_sfa_compose import _logits, _one_thread  # noqa: F401 (an autouse fixture)
-    from integrations.test_transformers import _greedy_recompute
     from models import random_ids, skip_without_cpu_kernels, tiny_model
 
 HEAD_DIM, TOPK, KV_HEADS = 16, 4, 2  # the tiny llama: 4 query heads, 2 KV heads of dim 16
@@ -154,7 +153,7 @@ def test_generation_over_the_cache_matches_the_full_forward(arch):
     model = _calibrated(arch=arch)
     prompt = random_ids(2, PROMPT, seed=7)
     compressed = _generate(model, prompt, sa.SFACache(model))
-    assert torch.equal(compressed.sequences, _greedy_recompute(model, prompt, compressed.sequences.shape[1] - PROMPT))
+    assert torch.equal(compressed.sequences, greedy_recompute(model, prompt, compressed.sequences.shape[1] - PROMPT))
     full = _logits(model, compressed.sequences[:, :-1])[:, PROMPT - 1:]
     torch.testing.assert_close(_step_logits(compressed), full, rtol=0, atol=1e-4)
 

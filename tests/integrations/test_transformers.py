@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import sieve_attn as sa
+from sieve_attn.eval.generate import cache_keyword, greedy_recompute
 from sieve_attn.integrations.transformers import attention_modules, focus_layers
 from sieve_attn.nn.focus_layer import FocusLayer
 from sieve_attn.nn.router import FocusRouter
@@ -214,13 +215,16 @@ def test_left_padding_matches_unpadded(arch, mode):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_left_padding_degenerate_equals_original(arch):
-    """Default sinks (by key index, so on the padding here): the degenerate pattern still equals the original
-    model on the padded batch at every real position."""
+    """Without sinks the degenerate pattern equals the original model on a left-padded batch at every real
+    position. With sinks (the first slots, here padding) a padded batch is refused, naming sink_tokens."""
     model = tiny_model(arch)
     reference = eager_copy(model)
     torch.manual_seed(0)
     sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=4))
     ids, mask, position_ids, pad = _left_padded(random_ids(1, SEQ, seed=3), random_ids(1, SEQ - 12, seed=4))
+    with pytest.raises(ValueError, match="sink_tokens: expected 0 for a left-padded batch"):
+        _logits(model, ids, attention_mask=mask, position_ids=position_ids)
+    sa.reconfigure(model, sink_tokens=0)
     got = _logits(model, ids, attention_mask=mask, position_ids=position_ids)
     expected = _logits(reference, ids, attention_mask=mask, position_ids=position_ids)
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-5)
@@ -283,13 +287,6 @@ def test_causal_training_routing_trains_the_router_and_its_biases():
 
 # 5. Decoding with a KV cache equals recomputing the whole sequence.
 
-def _greedy_recompute(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
-    for _ in range(steps):
-        nxt = _logits(model, ids)[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-    return ids
-
-
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "mistral"])
 def test_kv_cache_generation_equals_recomputation(arch, mode):
@@ -313,7 +310,105 @@ def test_kv_cache_generation_equals_recomputation(arch, mode):
     cached = torch.stack(out.logits, dim=1)  # [B, new, V]: the logits each decoding step produced
     torch.testing.assert_close(cached[:, -1], full[:, -1], rtol=0, atol=1e-5)
     torch.testing.assert_close(cached, full[:, prompt.shape[1] - 1:], rtol=0, atol=1e-5)
-    assert torch.equal(out.sequences, _greedy_recompute(model, prompt, new))
+    assert torch.equal(out.sequences, greedy_recompute(model, prompt, new))
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_each_cache_keeps_its_own_routing(mode):
+    """The routing of cached tokens belongs to their cache: prefilling another cache, or scoring other text
+    without one, between two passes over a cache does not change what it continues with."""
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, mode=mode))
+    a, b = random_ids(1, 20, seed=1), random_ids(1, 24, seed=2)
+    from transformers import DynamicCache
+    with torch.no_grad():
+        cache_a, cache_b = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        name = cache_keyword(model)
+        model(a[:, :12], **{name: cache_a})
+        model(b, **{name: cache_b})
+        model(b, use_cache=False)
+        continued = model(a[:, 12:], **{name: cache_a}).logits
+    torch.testing.assert_close(continued, _logits(model, a)[:, 12:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_sfa, sfa_cache", [(False, False), (True, False), (True, True)],
+                         ids=["focus", "focus + sfa", "focus + sfa, SFACache"])
+def test_beam_search_is_refused_rather_than_routed_with_another_beams_groups(with_sfa, sfa_cache):
+    """Beam search reorders the cache's rows between steps; the routing kept for them cannot follow."""
+    configs = [sa.FocusConfig(num_groups=4, window=2, top_k=1)] + ([sa.SFAConfig(topk=4)] if with_sfa else [])
+    model = sa.compose(tiny_model("llama"), *configs)
+    prompt = random_ids(1, 12, seed=7)
+    cache = {cache_keyword(model): sa.SFACache(model)} if sfa_cache else {}
+    with pytest.raises(RuntimeError, match="batch rows were reordered, selected or repeated between passes"), \
+            torch.no_grad():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, num_beams=3,
+                       do_sample=False, **cache)
+
+
+def _hand_built_hard_attention(hidden, window: int, top_k: int, sinks: int):
+    """An attention-interface function computing the hard Focus pattern from its definition, in float64, from the
+    router's parameters and the layer's input ``hidden[id(module)]``: token j is a member of the top_k groups of
+    rms(W h_j) C^T / tau + b (the sinks of every group); query i attends key j <= i when i - j <= window or they
+    share a group, and transformers' mask allows it."""
+    def attention(module, q, k, v, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None,
+                  **kwargs):
+        router = module.sieve_focus.router
+        projected = hidden[id(module)].double() @ router.proj.weight.double().t()
+        projected = projected / torch.sqrt(projected.pow(2).mean(-1, keepdim=True) + 1e-6)
+        logits = projected @ router.centroids.double().t() / router.config.tau + router.group_bias.double()
+        member = torch.zeros(logits.shape, dtype=torch.bool).scatter_(-1, logits.topk(top_k, -1).indices, True)
+        member[:, :sinks] = True
+        i, j = torch.arange(q.shape[2])[:, None], torch.arange(q.shape[2])[None]
+        shared = (member[:, :, None, :] & member[:, None, :, :]).any(-1)
+        allowed = (j <= i) & ((i - j <= window) | shared)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, 0]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+        scores = q.double() @ k.transpose(-1, -2) * (scaling or q.shape[-1] ** -0.5)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1) @ v
+        return out.to(q.dtype).transpose(1, 2).contiguous(), None
+    return attention
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral", "gpt2"])
+def test_hard_pattern_is_the_routers_groups_sinks_and_window(arch):
+    """The composed model in hard mode against attention built by hand from the definition (not the package's
+    code): biased routers, top-2 of 4 groups, window 3, one sink."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=3, top_k=2, sink_tokens=1, mode="hard"))
+    for layer in focus_layers(model):
+        layer.router.group_bias.copy_(torch.randn(4) * 5)
+    ids = random_ids(2, SEQ, seed=3)
+    got = _logits(model, ids)
+    hidden = {}
+    for _, module in attention_modules(model):
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: hidden.__setitem__(id(m), kwargs.get("hidden_states", args[0] if args else None)),
+            with_kwargs=True)
+    AttentionInterface.register("sieve_test_hard", _hand_built_hard_attention(hidden, window=3, top_k=2, sinks=1))
+    AttentionMaskInterface.register("sieve_test_hard", sdpa_mask)
+    model.set_attn_implementation("sieve_test_hard")
+    torch.testing.assert_close(got, _logits(model, ids), rtol=0, atol=2e-5)
+
+
+def test_a_model_cast_after_compose_routes_in_float32_as_one_cast_before():
+    """Casting the composed model casts its routers too; they still route in float32, as the routers of a model
+    composed after the cast (float32 parameters) do."""
+    torch.manual_seed(0)
+    after = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, top_k=1)).to(torch.bfloat16)
+    before = sa.compose(tiny_model("llama").to(torch.bfloat16), sa.FocusConfig(num_groups=4, window=4, top_k=1))
+    before.load_state_dict(after.state_dict())  # the same (bfloat16-rounded) routers, held in float32
+    assert next(focus_layers(after)).router.proj.weight.dtype == torch.bfloat16
+    ids = random_ids(2, SEQ)
+    torch.testing.assert_close(_logits(after, ids), _logits(before, ids), rtol=0, atol=0)
 
 
 STATIC_CONFIGS = {"focus hard": [sa.FocusConfig(num_groups=4, window=4, top_k=1, mode="hard")],
@@ -337,7 +432,7 @@ def test_static_cache_generation_equals_recomputation(arch, configs):
                              output_logits=True, return_dict_in_generate=True, cache_implementation="static")
     full = _logits(model, out.sequences[:, :-1])
     torch.testing.assert_close(torch.stack(out.logits, dim=1), full[:, prompt.shape[1] - 1:], rtol=0, atol=1e-5)
-    assert torch.equal(out.sequences, _greedy_recompute(model, prompt, new))
+    assert torch.equal(out.sequences, greedy_recompute(model, prompt, new))
 
 
 @pytest.mark.parametrize("mode", ["hard", "soft"])
@@ -418,6 +513,15 @@ def test_load_adapter_refuses_another_focus_config(tmp_path, change):
         sa.load_adapter(_composed(**change), tmp_path)
 
 
+def test_reconfigure_refuses_unknown_and_fixed_settings():
+    model = _composed()
+    with pytest.raises(ValueError, match="topk: expected one of FocusConfig's settings .*, got a name FocusConfig "
+                                         "does not have"):
+        sa.reconfigure(model, topk=2)
+    with pytest.raises(ValueError, match="num_groups: expected the router's own value"):
+        sa.reconfigure(model, num_groups=8)
+
+
 def test_compose_refuses_twice_and_bad_configs():
     model = _composed()
     with pytest.raises(ValueError, match="model"):
@@ -466,7 +570,7 @@ def test_triton_backend_generation_equals_reference_and_recomputation(arch):
     torch.testing.assert_close(torch.stack(fast.logits, 1), torch.stack(reference.logits, 1), rtol=0, atol=1e-4)
     assert torch.equal(fast.sequences, reference.sequences)
     sa.reconfigure(model, backend="triton")
-    assert torch.equal(fast.sequences, _greedy_recompute(model, prompt, new))
+    assert torch.equal(fast.sequences, greedy_recompute(model, prompt, new))
 
 
 @pytest.mark.parametrize("config", [sa.FocusConfig(**SPARSE), sa.SFAConfig(topk=4)], ids=["focus", "sfa"])

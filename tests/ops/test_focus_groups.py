@@ -52,8 +52,24 @@ def test_validated_groups_are_not_validated_again_and_must_fit_the_call():
     q = torch.randn(1, 2, 4, 8)
     groups = FocusGroups.of(torch.tensor([[0, 1, 0, 1]]), 1, 4, "cpu")
     assert torch.equal(focus_attention(q, q, q, groups, window=1), focus_attention(q, q, q, groups.ids, window=1))
-    with pytest.raises(ValueError, match="groups: expected FocusGroups of B=1, T=5"):
+    with pytest.raises(ValueError, match=r"groups: expected FocusGroups of ids \[B=1, T=5, m\]"):
         focus_attention(q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), groups)
+
+
+def test_groups_built_by_hand_are_validated_and_their_bits_recomputed():
+    """The kernels index memory by ids and bits: FocusGroups not built by of/routed are checked like raw ids, and
+    their bits (which may disagree with the ids) recomputed."""
+    q = torch.randn(1, 2, 4, 8)
+    ids = torch.tensor([[[0], [1], [0], [1]]])
+    wrong_bits = FocusGroups(ids, torch.full((1, 4), 12), 2)
+    assert torch.equal(focus_attention(q, q, q, wrong_bits, window=1), focus_attention(q, q, q, ids, window=1))
+    with pytest.raises(ValueError, match="groups: expected FocusGroups whose num_groups bounds its ids \\(at least "
+                                         "2\\), got 1"):
+        focus_attention(q, q, q, FocusGroups(ids, None, 1), window=1)
+    with pytest.raises(ValueError, match="groups: expected group ids >= -1"):
+        focus_attention(q, q, q, FocusGroups(ids - 2, None, 2), window=1)
+    with pytest.raises(ValueError, match=r"groups: expected FocusGroups of ids \[B=1, T=4, m\] on cpu, got ids "):
+        focus_attention(q, q, q, FocusGroups(ids[..., 0], None, 2), window=1)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -6,7 +6,7 @@ with each step's new tokens, so a decode step validates one token, not the whole
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -19,23 +19,37 @@ from .reference import bit_sets
 class FocusGroups:
     """ids [B, T, m] int64 (-1 = empty slot); bits [B, T] int64 bit sets (None when an id is >= 63); num_groups
     bounds the ids: largest id + 1 (0 for an empty sequence) when validated by :meth:`of`, the router's K when
-    :meth:`routed`."""
+    :meth:`routed`.
+
+    Build them with :meth:`of` (validated) or :meth:`routed` (the package's routing); :meth:`extend`,
+    :meth:`span` and :meth:`last` keep them valid. One built by hand is validated like raw ids when an op
+    takes it (its bits recomputed), as the kernels index memory by ids and bits."""
 
     ids: torch.Tensor
     bits: Optional[torch.Tensor]
     num_groups: int
+    trusted: bool = field(default=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, groups: torch.Tensor, batch: int, length: int, device: torch.device) -> "FocusGroups":
-        """Validates ``groups`` ([B, T] or [B, T, m] ints, shape and device as given) with one host sync."""
+        """Validates ``groups`` ([B, T] or [B, T, m] ints, shape and device as given) with one host sync; a
+        :class:`FocusGroups` the package built is taken as it is (checked for shape and device only)."""
         if isinstance(groups, FocusGroups):
-            if groups.ids.shape[:2] != (batch, length) or not _same_device(groups.ids.device, device):
-                fail("groups", f"FocusGroups of B={batch}, T={length} on {device}",
-                     f"B={groups.ids.shape[0]}, T={groups.ids.shape[1]} on {groups.ids.device}")
-            return groups
+            if not isinstance(groups.ids, torch.Tensor) or groups.ids.dim() != 3 or \
+                    groups.ids.shape[:2] != (batch, length) or not _same_device(groups.ids.device, device):
+                got = groups.ids.shape if isinstance(groups.ids, torch.Tensor) else type(groups.ids).__name__
+                fail("groups", f"FocusGroups of ids [B={batch}, T={length}, m] on {device}",
+                     f"ids {got}" + (f" on {groups.ids.device}" if isinstance(groups.ids, torch.Tensor) else ""))
+            if groups.trusted:
+                return groups
+            validated = cls.of(groups.ids, batch, length, device)
+            if validated.num_groups > groups.num_groups:
+                fail("groups", f"FocusGroups whose num_groups bounds its ids (at least {validated.num_groups})",
+                     groups.num_groups)
+            return cls.routed(validated.ids, groups.num_groups)
         ids, num_groups = _checked_ids(groups, batch, length, device)
         # num_groups is the largest id + 1, read by the validation's one sync: the bit sets need no second one
-        return cls(ids, bit_sets(ids) if num_groups <= 63 else None, num_groups)
+        return cls(ids, bit_sets(ids) if num_groups <= 63 else None, num_groups, trusted=True)
 
     @classmethod
     def routed(cls, ids: torch.Tensor, num_groups: int) -> "FocusGroups":
@@ -43,19 +57,19 @@ class FocusGroups:
         [-1, ``num_groups``), distinct within a token, each token in at least one group), valid by construction:
         taken without :meth:`of`'s validation and its host sync, which a decode step would pay in every layer.
         ``num_groups`` (the router's K) bounds the ids."""
-        return cls(ids, bit_sets(ids) if num_groups <= 63 else None, num_groups)
+        return cls(ids, bit_sets(ids) if num_groups <= 63 else None, num_groups, trusted=True)
 
     def extend(self, new: "FocusGroups") -> "FocusGroups":
         """The memberships of these tokens followed by those of ``new`` (slot counts padded with -1)."""
         width = max(self.ids.shape[2], new.ids.shape[2])
         ids = torch.cat([_pad_slots(self.ids, width), _pad_slots(new.ids, width)], dim=1)
         bits = None if self.bits is None or new.bits is None else torch.cat([self.bits, new.bits], dim=1)
-        return FocusGroups(ids, bits, max(self.num_groups, new.num_groups))
+        return FocusGroups(ids, bits, max(self.num_groups, new.num_groups), trusted=self.trusted and new.trusted)
 
     def span(self, start: int, stop: int) -> "FocusGroups":
         """The memberships of tokens start..stop-1."""
         return FocusGroups(self.ids[:, start:stop], None if self.bits is None else self.bits[:, start:stop],
-                           self.num_groups)
+                           self.num_groups, trusted=self.trusted)
 
     def last(self, count: int) -> "FocusGroups":
         return self.span(self.length - count, self.length)
