@@ -44,7 +44,8 @@ class FocusLayer(nn.Module):
         return f"mode={self.config.mode!r}, window={self.config.window}, top_k={self.config.top_k}"
 
     def reconfigure(self, **changes) -> None:
-        """Changes inference settings (mode, top_k, window, sink_tokens, ...); the router's shape is fixed."""
+        """Changes inference settings (mode, top_k, window, sink_tokens, ...); the router's shape is fixed. The
+        routing kept for cached tokens is forgotten unless only window, backend or the gate changed."""
         unknown = sorted(set(changes) - {f.name for f in fields(FocusConfig)})
         if unknown:
             fail(unknown[0], f"one of FocusConfig's settings ({', '.join(f.name for f in fields(FocusConfig))})",
@@ -54,7 +55,8 @@ class FocusLayer(nn.Module):
             raise ValueError(f"{sorted(fixed)[0]}: expected the router's own value, got a change (retrain instead)")
         self.config = replace(self.config, **changes)
         self.router.config = self.config
-        self._past.clear()
+        if set(changes) - _PATTERN_ONLY:  # the routing kept for cached tokens no longer holds
+            self._past.clear()
 
     def observe(self, hidden_states: torch.Tensor, start: Optional[int] = None, cache=None,
                 rows: Optional[Callable[[], object]] = None) -> None:
@@ -134,6 +136,10 @@ class FocusLayer(nn.Module):
             kept = history if isinstance(history, FocusGroups) else history.detach()
             self._past[this_pass.cache] = _Routed(kept, rows, start + _length(current))
         return history.last(k_len) if isinstance(history, FocusGroups) else history[:, history.shape[1] - k_len:]
+
+
+# Settings that change how routed tokens attend, not how they are routed: a cache's routing survives them.
+_PATTERN_ONLY = {"window", "backend", "gate", "gate_lambda"}
 
 
 @dataclass
