@@ -342,11 +342,18 @@ def _focus_config(args):
 
 
 def _check_counts(args) -> None:
-    """Exits unless --context, and where the command has them --eval-windows and --threads, are at least 1."""
+    """Exits unless --context, and where the command has them --eval-windows and --threads, are at least 1, and
+    --train-text and --eval-text name text that exists (listed, not read: cheap before the model loads)."""
     for option in ("context", "eval_windows", "threads"):
         value = getattr(args, option, None)
         if value is not None and value < 1:
             raise SystemExit(f"--{option.replace('_', '-')}: expected at least 1, got {value}")
+    for option, split in (("train_text", 0), ("eval_text", 1)):
+        if hasattr(args, option):
+            try:
+                _files(getattr(args, option), split)
+            except ValueError as error:
+                raise SystemExit(f"--{option.replace('_', '-')}: {str(error).partition(': ')[2]}") from None
 
 
 def _retrofit_settings(args):

@@ -51,6 +51,9 @@ def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(t
                                                           "micro-batches"),
     (["demo", "--eval-windows", "0"], "--eval-windows: expected at least 1, got 0"),
     (["finetune", "--context", "0"], "--context: expected at least 1, got 0"),
+    (["finetune", "--train-text", "/no/such/text"], "--train-text: expected an existing file or folder, got "
+                                                    "'/no/such/text'"),
+    (["demo", "--eval-text", "/no/such/text"], "--eval-text: expected an existing file or folder"),
 ])
 def test_training_commands_refuse_bad_options_before_loading_the_model(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):
