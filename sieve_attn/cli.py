@@ -313,9 +313,16 @@ RUN_FILES = ("checkpoint.pt", "adapter", "model.safetensors", "result.json", "re
 
 
 def _claim_out(args) -> None:
-    """Exits when --out holds an earlier run (:data:`RUN_FILES`, best-weights files) and neither --resume (continue
-    it) nor --overwrite (delete those files first, which it then does) was given."""
+    """Creates --out; exits when it cannot be written, or holds an earlier run (:data:`RUN_FILES`, best-weights
+    files) and neither --resume (continue it) nor --overwrite (delete those files first, which it then does) was
+    given."""
     out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"--out: expected a folder this run can write, got {str(out)!r} ({error.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise SystemExit(f"--out: expected a folder this run can write, got {str(out)!r} (not writable)")
     found = [name for name in RUN_FILES if (out / name).exists()] + sorted(p.name for p in out.glob("best-*"))
     if not found or args.resume:
         return

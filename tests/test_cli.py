@@ -54,10 +54,12 @@ def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(t
     (["finetune", "--train-text", "/no/such/text"], "--train-text: expected an existing file or folder, got "
                                                     "'/no/such/text'"),
     (["demo", "--eval-text", "/no/such/text"], "--eval-text: expected an existing file or folder"),
+    (["retrofit", "--out", __file__ + "/out"], "--out: expected a folder this run can write"),
 ])
 def test_training_commands_refuse_bad_options_before_loading_the_model(tmp_path, argv, message):
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit, match=message):
-        main([*argv, "--model", str(tmp_path / "no model here"), "--out", str(tmp_path / "out")])
+        main([*argv, "--model", str(tmp_path / "no model here"), *out])
 
 
 @pytest.mark.parametrize("command", ["retrofit", "demo", "finetune"])
