@@ -348,7 +348,7 @@ def _focus_config(args):
                        train_routing=args.train_routing)
 
 
-def _check_counts(args) -> None:
+def _check_common_options(args) -> None:
     """Exits unless --context, and where the command has them --eval-windows and --threads, are at least 1, and
     --train-text and --eval-text name text that exists (listed, not read: cheap before the model loads)."""
     for option in ("context", "eval_windows", "threads"):
@@ -367,6 +367,7 @@ def _retrofit_settings(args):
     """(FocusConfig, RetrofitSettings) of `sieve retrofit` or `sieve demo` from the options, checked with the rule
     of causal routing (:func:`sieve_attn.train.retrofit.check_routing`) before any model loads: exits naming the
     option."""
+    from .train.distributed import processes
     from .train.retrofit import RetrofitSettings, check_routing
 
     with _errors_named_by_flag():
@@ -374,7 +375,7 @@ def _retrofit_settings(args):
         settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                     checkpoint_every=args.checkpoint_every, micro_batch=args.micro_batch)
         settings.check()
-        check_routing(config, settings, int(os.environ.get("WORLD_SIZE", "1")))
+        check_routing(config, settings, processes())
     return config, settings
 
 
@@ -397,7 +398,7 @@ def _train(model, tokenizer, args, config, settings) -> dict:
 def cmd_retrofit(args) -> int:
     from .train.distributed import finish, is_main, load_for_training
 
-    _check_counts(args)
+    _check_common_options(args)
     config, settings = _retrofit_settings(args)
     _claim_out(args)
     if args.threads:
@@ -415,7 +416,7 @@ def cmd_eval_ppl(args) -> int:
     from .eval.report import environment, evaluate_modes, format_table, write_json
     from .integrations.transformers import load_adapter, read_adapter_config, reconfigure
 
-    _check_counts(args)
+    _check_common_options(args)
     saved = None if args.adapter is None else read_adapter_config(args.adapter)
     modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
     model, tokenizer = _setup_with_weights(args, saved)
@@ -522,7 +523,7 @@ def cmd_demo(args) -> int:
     from .eval.report import environment, evaluate_modes, format_table, router_parameter_count, write_json
 
     started = time.time()
-    _check_counts(args)
+    _check_common_options(args)
     config, settings = _retrofit_settings(args)
     _claim_out(args)
     model, tokenizer = _setup(args)
@@ -605,7 +606,7 @@ def cmd_finetune(args) -> int:
     from .train.finetune import FinetuneSettings, finetune, load_weights
 
     started = time.time()
-    _check_counts(args)
+    _check_common_options(args)
     if args.calibration_windows < 1:
         raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
     if args.method == "dense":

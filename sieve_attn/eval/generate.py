@@ -11,6 +11,7 @@ import time
 import torch
 
 from .._checks import check_int, fail
+from ..integrations.transformers import attention_modules, head_dim, kv_heads
 from ..ops.sfa.cache import dense_bytes_per_token
 
 
@@ -58,9 +59,8 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, check: bool 
     Returns {"prompt_tokens", "new_tokens", "text" (the continuation alone), "seconds" (wall time of generate),
     "tokens_per_s", "cache": {"kind", "allocated_bytes", "held_bytes" (:func:`cache_bytes`), "dense_bytes" (a
     dense K+V cache of the same tokens in the model's dtype, every layer and KV head)}, "equals_recomputation"
-    (with ``check``: whether
-    :func:`greedy_recompute` gives the same tokens; else None)}. Generation stops early at an end-of-sequence
-    token, as transformers does."""
+    (with ``check``: whether :func:`greedy_recompute` gives the same tokens; else None)}. Generation stops early
+    at an end-of-sequence token, as transformers does."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
@@ -73,11 +73,9 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, check: bool 
                              do_sample=False, **{cache_keyword(model): cache})
     seconds = time.perf_counter() - started
     new = out.shape[1] - ids.shape[1]
-    text = model.config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     # The cache holds every token but the last generated one (generate never feeds it back).
-    dense = (out.shape[1] - 1) * text.num_hidden_layers * heads * dense_bytes_per_token(head_dim, model.dtype)
+    per_token = len(attention_modules(model)) * kv_heads(model) * dense_bytes_per_token(head_dim(model), model.dtype)
+    dense = (out.shape[1] - 1) * per_token
     same = torch.equal(out, greedy_recompute(model, ids, new)) if check else None
     return {"prompt_tokens": ids.shape[1], "new_tokens": new,
             "text": tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True),

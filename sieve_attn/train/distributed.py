@@ -38,9 +38,14 @@ from .._checks import fail
 from ..integrations.transformers import LAYER_ATTR, SFA_ATTR, adapter_state, attention_modules
 
 
+def processes() -> int:
+    """How many processes the launcher started (accelerate launch and torchrun set ``WORLD_SIZE``; 1 without)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def launched() -> bool:
-    """Whether a launcher started several processes (accelerate launch and torchrun set ``WORLD_SIZE``)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether a launcher started several processes."""
+    return processes() > 1
 
 
 def start(device=None):
