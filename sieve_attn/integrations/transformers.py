@@ -3,14 +3,16 @@
 The composed model runs through transformers' own attention interface: ``compose`` registers the attention
 function ``"sieve_focus"`` (and, for it, transformers' boolean SDPA mask builder), switches the model to it with
 ``set_attn_implementation``, attaches a :class:`FocusLayer` to every attention module as a submodule, and feeds it
-the module's input hidden states through a forward pre-hook. No model class is patched.
+the module's input hidden states through a forward pre-hook. No model class is patched; a model with Focus gets
+its own ``_reorder_cache`` (the hook transformers' beam search calls), which reorders the routing kept for cached
+tokens with the cache's rows.
 """
 from __future__ import annotations
 
 import functools
 import json
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -168,6 +170,20 @@ def _observe_pass(module, args, kwargs):
                       None if cache is None else functools.partial(_rows_token, cache, module.layer_idx))
 
 
+def _reorder_cache(own: Optional[Callable], routed: list[tuple[int, FocusLayer]], cache, beam_idx: torch.Tensor):
+    """A Focus model's ``_reorder_cache``, the hook transformers' beam search calls between steps when a model has
+    one (RAG and RecurrentGemma define theirs): the cache's rows become its former rows ``beam_idx`` [B] (as the
+    model's own hook ``own`` or the cache's ``reorder_cache`` does it), and the routing each Focus layer in
+    ``routed`` ([(layer_idx, layer)]) keeps for the cached tokens follows them. Returns the cache."""
+    if own is not None:
+        cache = own(cache, beam_idx)
+    else:
+        cache.reorder_cache(beam_idx)
+    for layer_idx, focus in routed:
+        focus.follow_rows(cache, beam_idx, functools.partial(_rows_token, cache, layer_idx))
+    return cache
+
+
 def _rows_token(cache, layer_idx: int):
     """A token of the batch rows of a cache's layer (:meth:`FocusLayer.observe`'s ``rows``): an
     :class:`~sieve_attn.SFACache` layer counts the times its rows were reordered, selected or repeated; a layer
@@ -211,8 +227,9 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     (after RoPE); with both, SFA scores are computed inside the Focus pattern. Every original weight is frozen (only
     the routers are trainable; :func:`sieve_attn.train.finetune.finetune` unfreezes what SFA conversion trains), and
     attention runs through the ``"sieve_focus"`` attention function. The model keeps working with ``generate``
-    and transformers' KV caches (dynamic, sliding-window and static); with SFA, :class:`sieve_attn.SFACache` keeps
-    the compressed keys instead.
+    and transformers' KV caches (dynamic, sliding-window and static), greedy, sampling and beam search (with Focus,
+    the model's own ``_reorder_cache`` moves the routing kept for cached tokens with the beams); with SFA,
+    :class:`sieve_attn.SFACache` keeps the compressed keys instead.
     """
     focus, sfa = _split_configs(configs)
     if is_composed(model):
@@ -234,6 +251,9 @@ def compose(model: nn.Module, *configs) -> nn.Module:
         if sfa is not None:
             module.add_module(SFA_ATTR, SFALayer(sfa, kv_heads(model), head_dim(model)).to(device))
         module.register_forward_pre_hook(_observe_pass, with_kwargs=True)
+    if focus is not None:
+        routed = [(module.layer_idx, getattr(module, LAYER_ATTR)) for _, module in modules]
+        model._reorder_cache = functools.partial(_reorder_cache, getattr(model, "_reorder_cache", None), routed)
     _register()
     model.set_attn_implementation(ATTENTION_NAME)
     model.sieve_config, model.sieve_sfa_config = focus, sfa

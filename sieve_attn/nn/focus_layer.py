@@ -71,6 +71,18 @@ class FocusLayer(nn.Module):
             return
         self._pending = _Pass(self.router(hidden_states), start, cache, None if rows is None else rows(), rows)
 
+    def follow_rows(self, cache, indices: torch.Tensor, rows: Optional[Callable[[], object]] = None) -> None:
+        """The cache's batch rows became its former rows ``indices`` ([B'] indices, e.g. beam search's beam_idx):
+        the routing kept for its tokens follows. ``rows()`` reads the cache's rows token after the reordering (see
+        :meth:`observe`). A cache this layer keeps no routing for is left alone."""
+        past = self._past.get(cache)
+        if past is None:
+            return
+        routing = past.routing
+        routing = routing.rows(indices) if isinstance(routing, FocusGroups) else \
+            routing.index_select(0, indices.to(routing.device))
+        self._past[cache] = _Routed(routing, None if rows is None else rows(), past.length)
+
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] for the current mode (queries aligned to the end of the keys)."""
         cfg = self.config
@@ -125,8 +137,9 @@ class FocusLayer(nn.Module):
                                    f"of the Focus settings forgets it)")
             if this_pass.rows_before != past.rows and start >= past.length:
                 raise RuntimeError("FocusLayer: the KV cache's batch rows were reordered, selected or repeated "
-                                   "between passes (beam search does this); the routing of the cached tokens "
-                                   "cannot follow, so generate without beams (num_beams=1)")
+                                   "between passes other than by generate's beam search; the routing of the cached "
+                                   "tokens cannot follow (reorder a composed model's cache with "
+                                   "model._reorder_cache(cache, indices))")
             if isinstance(current, FocusGroups):
                 history = routing.span(0, start).extend(current)
             else:

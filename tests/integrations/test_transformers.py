@@ -334,18 +334,43 @@ def test_each_cache_keeps_its_own_routing(mode):
     torch.testing.assert_close(continued, _logits(model, a)[:, 12:], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("with_sfa, sfa_cache", [(False, False), (True, False), (True, True)],
-                         ids=["focus", "focus + sfa", "focus + sfa, SFACache"])
-def test_beam_search_is_refused_rather_than_routed_with_another_beams_groups(with_sfa, sfa_cache):
-    """Beam search reorders the cache's rows between steps; the routing kept for them cannot follow."""
-    configs = [sa.FocusConfig(num_groups=4, window=2, top_k=1)] + ([sa.SFAConfig(topk=4)] if with_sfa else [])
+@pytest.mark.parametrize("mode, with_sfa, cache", [("hard", False, "dynamic"), ("soft", False, "dynamic"),
+                                                   ("hard", False, "static"), ("hard", True, "dynamic"),
+                                                   ("hard", True, "SFACache")],
+                         ids=["hard", "soft", "hard, static cache", "hard + sfa", "hard + sfa, SFACache"])
+def test_beam_search_routes_each_beam_with_its_own_groups(mode, with_sfa, cache):
+    """Beam search reorders the cache's rows between steps (a static cache in place); the routing kept for the
+    cached tokens follows them, so the beams and their scores are those of beam search recomputing every step
+    without a cache."""
+    configs = [sa.FocusConfig(num_groups=4, window=2, top_k=1, mode=mode)] + \
+        ([sa.SFAConfig(topk=4)] if with_sfa else [])
+    torch.manual_seed(0)
     model = sa.compose(tiny_model("llama"), *configs)
-    prompt = random_ids(1, 12, seed=7)
-    cache = {cache_keyword(model): sa.SFACache(model)} if sfa_cache else {}
-    with pytest.raises(RuntimeError, match="batch rows were reordered, selected or repeated between passes"), \
-            torch.no_grad():
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, num_beams=3,
-                       do_sample=False, **cache)
+    prompt = random_ids(2, 12, seed=7)
+    settings = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=8, num_beams=3, num_return_sequences=3,
+                    do_sample=False, length_penalty=0.0, return_dict_in_generate=True, output_scores=True)
+    cache_setting = {cache_keyword(model): sa.SFACache(model)} if cache == "SFACache" else \
+        dict(cache_implementation="static") if cache == "static" else {}
+    with torch.no_grad():
+        cached = model.generate(prompt, **settings, **cache_setting)
+        recomputed = model.generate(prompt, **settings, use_cache=False)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    torch.testing.assert_close(cached.sequences_scores, recomputed.sequences_scores, rtol=0, atol=1e-5)
+    # the beams part ways: a reordering that kept every row in place would not test the routing's
+    assert len({tuple(row.tolist()) for row in cached.sequences[:3, prompt.shape[1]:]}) == 3
+
+
+def test_rows_reordered_outside_beam_search_are_refused():
+    """Rows reordered other than through the model's ``_reorder_cache`` leave the kept routing behind: refused."""
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=2, top_k=1))
+    ids = random_ids(2, 12, seed=7)
+    from transformers import DynamicCache
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :8], **{cache_keyword(model): cache})
+        cache.reorder_cache(torch.tensor([1, 0]))
+        with pytest.raises(RuntimeError, match="batch rows were reordered, selected or repeated between passes"):
+            model(ids[:, 8:], **{cache_keyword(model): cache})
 
 
 def _hand_built_hard_attention(hidden, window: int, top_k: int, sinks: int):

@@ -74,6 +74,13 @@ class FocusGroups:
     def last(self, count: int) -> "FocusGroups":
         return self.span(self.length - count, self.length)
 
+    def rows(self, indices: torch.Tensor) -> "FocusGroups":
+        """The memberships of batch rows ``indices`` (a [B'] index tensor; rows may repeat), in that order."""
+        indices = indices.to(self.ids.device)
+        return FocusGroups(self.ids.index_select(0, indices),
+                           None if self.bits is None else self.bits.index_select(0, indices), self.num_groups,
+                           trusted=self.trusted)
+
     @property
     def length(self) -> int:
         return self.ids.shape[1]
