@@ -106,8 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
                                        "routers' random start follows --seed): each takes an equal share of every "
                                        "batch (--batch-size must be a multiple of the number of processes), the "
                                        "frozen model is replicated, or sharded with an FSDP2 launch configuration, "
-                                       "and rank 0 writes the checkpoints and the adapter.")
+                                       "and rank 0 writes the checkpoints and the adapter. With --sfa-adapter the "
+                                       "routers are trained on a model converted to SFA (its --weights and SFA "
+                                       "adapter, both frozen): OUT/adapter then holds Focus and SFA, for `sieve eval "
+                                       "ppl` and `sieve generate` with the same --weights.")
     _model_args(retro)
+    retro.add_argument("--sfa-adapter", type=Path, default=None,
+                       help="adapter folder of `sieve finetune --method sfa`: compose Focus onto that SFA model")
+    retro.add_argument("--weights", type=Path, default=None,
+                       help="model.safetensors from `sieve finetune`: the weights the frozen model takes (the ones "
+                            "--sfa-adapter was trained with)")
     retro.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                        help="dtype of the frozen model's weights (float32); the routers always train in float32")
     _focus_args(retro)
@@ -207,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "JSON with model, config, tokens, PPL and the fraction of attended pairs. "
                                     "dense scores the model as loaded (with --weights: the fine-tuned weights); "
                                     "soft and hard compose the Focus adapter; sfa composes an SFA adapter from "
-                                    "`sieve finetune` (with its --weights).")
+                                    "`sieve finetune` (with its --weights). A Focus+SFA adapter (`sieve retrofit "
+                                    "--sfa-adapter`) scores sfa (SFA alone), soft and hard (SFA inside the Focus "
+                                    "pattern).")
     _model_args(ppl)
     _eval_args(ppl, windows=8)
     ppl.add_argument("--adapter", type=Path, default=None,
@@ -217,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model.safetensors from `sieve finetune`: the fine-tuned weights, loaded before scoring")
     ppl.add_argument("--modes", default=None,
                      help="comma list of dense, soft, hard, sfa (default: what the adapter allows: dense,soft,hard "
-                          "for a Focus adapter, with or without SFA; dense,sfa for an SFA one; dense without one)")
+                          "for a Focus adapter; dense,sfa for an SFA one; dense,sfa,soft,hard for a Focus+SFA one; "
+                          "dense without one)")
     ppl.add_argument("--top-k", type=int, default=None,
                      help="Focus: groups per token at inference, overriding the adapter's (a Focus adapter only)")
     ppl.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
@@ -379,9 +390,11 @@ def _retrofit_settings(args):
     return config, settings
 
 
-def _train(model, tokenizer, args, config, settings) -> dict:
-    """Composes ``model`` with ``config`` (:func:`_retrofit_settings`) and trains its routers on --train-text."""
-    from . import compose
+def _train(model, tokenizer, args, config, settings, weights_digest: str | None = None) -> dict:
+    """Composes ``model`` with ``config`` (:func:`_retrofit_settings`), and with --sfa-adapter where the command
+    has one, and trains its routers on --train-text. ``weights_digest``: that of the --weights the model took."""
+    from . import SFAConfig, compose, load_adapter
+    from .integrations.transformers import read_adapter_config
     from .train.retrofit import retrofit
 
     # The routers' random start (compose draws it from torch's default generator) must follow --seed: torch seeds
@@ -390,22 +403,34 @@ def _train(model, tokenizer, args, config, settings) -> dict:
     # That was the demo's run-to-run spread (first loss 2.381 vs 2.392, hard top-3 PPL 6.70-6.77); seeded, two
     # processes give the same losses and PPLs to the last bit. Under a launcher it also gives every rank the same start.
     torch.manual_seed(args.seed)
-    compose(model, config)
+    sfa_adapter = getattr(args, "sfa_adapter", None)
+    if sfa_adapter is None:
+        compose(model, config)
+    else:
+        compose(model, config, SFAConfig.from_dict(read_adapter_config(sfa_adapter)["sfa"]))
+        load_adapter(model, sfa_adapter)  # the SFA layers' maps and selection weights; the routers stay as drawn
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
-    return retrofit(model, windows, args.out, settings, resume=args.resume)
+    return retrofit(model, windows, args.out, settings, resume=args.resume, weights_digest=weights_digest)
 
 
 def cmd_retrofit(args) -> int:
+    from .integrations.transformers import read_adapter_config
     from .train.distributed import finish, is_main, load_for_training
 
     _check_common_options(args)
     config, settings = _retrofit_settings(args)
+    saved = None if args.sfa_adapter is None else read_adapter_config(args.sfa_adapter)
+    if saved is not None and saved.get("method") != "sfa":
+        raise SystemExit(f"--sfa-adapter: expected an adapter of `sieve finetune --method sfa`, got one of method "
+                         f"{saved.get('method')!r}")
+    _check_weights_given(args, saved)
     _claim_out(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
     model, tokenizer = load_for_training(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    result = _train(model, tokenizer, args, config, settings)
+    weights = _load_checked_weights(model, args, saved)
+    result = _train(model, tokenizer, args, config, settings, weights_digest=weights)
     if is_main():
         print(f"adapter saved to {result['adapter']}; final loss {result['history'][-1][1]:.4f}")
     finish()
@@ -442,20 +467,34 @@ def cmd_eval_ppl(args) -> int:
 
 
 def _setup_with_weights(args, saved: dict | None):
-    """(model, tokenizer) of --model with --weights loaded; exits when the adapter (its config ``saved``) records
-    the weights it was trained with and --weights is not that file (checked before the model loads when absent)."""
-    from .train.finetune import load_weights
+    """(model, tokenizer) of --model with --weights loaded, checked against the adapter (its config ``saved``)."""
+    _check_weights_given(args, saved)
+    model, tokenizer = _setup(args)
+    _load_checked_weights(model, args, saved)
+    return model, tokenizer
 
+
+def _check_weights_given(args, saved: dict | None) -> None:
+    """Exits, before any model loads, when --weights names no file, or when the adapter (its config ``saved``)
+    records the weights it was trained with and --weights is absent."""
+    _check_weights_file("--weights", args.weights)
     trained_with = None if saved is None else saved.get("weights_digest")
     if trained_with is not None and args.weights is None:
         raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
                          f"got none (the model's own weights)")
-    model, tokenizer = _setup(args)
+
+
+def _load_checked_weights(model, args, saved: dict | None) -> str | None:
+    """Loads --weights into ``model`` and returns their digest (None without); exits when the adapter (its config
+    ``saved``) records other weights than these."""
+    from .train.finetune import load_weights
+
+    trained_with = None if saved is None else saved.get("weights_digest")
     weights = None if args.weights is None else load_weights(model, args.weights)
     if trained_with is not None and weights != trained_with:
         raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
                          f"got {str(args.weights)!r} ({weights})")
-    return model, tokenizer
+    return weights
 
 
 def cmd_generate(args) -> int:
@@ -491,7 +530,10 @@ def _eval_modes(args, saved: dict | None) -> list[str]:
     from .eval.report import ALL_MODES
 
     method = None if saved is None else saved.get("method")
-    allowed = {None: ("dense",), "sfa": ("dense", "sfa")}.get(method, ("dense", "soft", "hard"))
+    allowed = {None: ("dense",), "sfa": ("dense", "sfa"), "focus": ("dense", "soft", "hard"),
+               "focus+sfa": ("dense", "sfa", "soft", "hard")}.get(method)
+    if allowed is None:
+        raise SystemExit(f"--adapter: expected an adapter of method focus, sfa or focus+sfa, got {method!r}")
     modes = list(allowed) if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
     if set(modes) - set(ALL_MODES) or not modes:
         raise SystemExit(f"--modes: expected a comma list of {', '.join(ALL_MODES)}, got {args.modes!r}")

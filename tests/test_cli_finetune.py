@@ -204,3 +204,51 @@ def test_evaluate_modes_scores_each_kind_of_model_in_its_own_modes():
     focus = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=2, window=4))
     with pytest.raises(ValueError, match="modes: expected one of dense, soft, hard for a model composed with Focus"):
         evaluate_modes(focus, windows, ["sfa"], progress=False)
+    # Focus and SFA: "sfa" is SFA over every causal pair (Focus attending all of them), what SFA alone scores
+    torch.manual_seed(0)
+    both = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4, top_k=1, mode="hard"),
+                      sa.SFAConfig(topk=4))
+    rows = evaluate_modes(both, windows, ["sfa", "hard"], progress=False)
+    assert [row["mode"] for row in rows] == ["sfa", "hard"] and both.sieve_config.mode == "hard"
+    sfa_alone = evaluate_modes(sfa, windows, ["sfa"], progress=False)[0]["ppl"]
+    assert rows[0]["ppl"] == pytest.approx(sfa_alone, rel=1e-6) and rows[1]["ppl"] != rows[0]["ppl"]
+    with pytest.raises(ValueError, match="modes: expected one of sfa, soft, hard for a model composed with Focus "
+                                         "and SFA, got dense"):
+        evaluate_modes(both, windows, ["dense"], progress=False)
+
+
+@pytest.mark.slow
+def test_focus_retrofitted_onto_an_sfa_model(tmp_path):
+    """`sieve retrofit --sfa-adapter` trains routers on the converted model with its weights and SFA parts frozen;
+    the Focus+SFA adapter it writes scores sfa (SFA alone: what the SFA adapter scores), soft and hard."""
+    from safetensors.torch import load_file
+
+    common = ["--context", "32", "--threads", "1"]
+    sfa, both = tmp_path / "sfa", tmp_path / "both"
+    assert main(["finetune", "--method", "sfa", "--topk", "16", *common, "--steps", "1", "--eval-windows", "1",
+                 "--calibration-windows", "1", "--out", str(sfa)]) == 0
+    weights = ["--weights", str(sfa / "model.safetensors")]
+    with pytest.raises(SystemExit, match="--weights: expected the model.safetensors the adapter was trained with"):
+        main(["retrofit", *common, "--sfa-adapter", str(sfa / "adapter"), "--out", str(both)])
+    assert main(["retrofit", *common, "--steps", "2", "--window", "8", "--num-groups", "4", "--top-k", "1",
+                 "--sfa-adapter", str(sfa / "adapter"), *weights, "--out", str(both)]) == 0
+    config = json.loads((both / "adapter" / "adapter_config.json").read_text())
+    assert config["method"] == "focus+sfa"
+    assert config["weights_digest"] == json.loads((sfa / "adapter" / "adapter_config.json").read_text())[
+        "weights_digest"]
+    sfa_tensors, both_tensors = (load_file(str(d / "adapter" / "adapter.safetensors")) for d in (sfa, both))
+    assert sfa_tensors and all(torch.equal(both_tensors[name], t) for name, t in sfa_tensors.items())  # frozen
+    assert any(".sieve_focus." in name for name in both_tensors)
+    with pytest.raises(SystemExit, match="--sfa-adapter: expected an adapter of `sieve finetune --method sfa`, "
+                                         "got one of method 'focus\\+sfa'"):
+        main(["retrofit", *common, "--sfa-adapter", str(both / "adapter"), *weights, "--out", str(tmp_path / "x")])
+    records = {}
+    for name in ("sfa", "both"):
+        path = tmp_path / f"{name}.json"
+        assert main(["eval", "ppl", *common, "--eval-windows", "1", "--adapter", str(tmp_path / name / "adapter"),
+                     *weights, "--json", str(path)]) == 0
+        records[name] = {row["mode"]: row for row in json.loads(path.read_text())["rows"]}
+    assert list(records["both"]) == ["dense", "sfa", "soft", "hard"]
+    assert records["both"]["sfa"]["ppl"] == pytest.approx(records["sfa"]["sfa"]["ppl"], rel=1e-6)
+    assert records["both"]["dense"]["ppl"] == pytest.approx(records["sfa"]["dense"]["ppl"], rel=1e-6)
+    assert 0 < records["both"]["hard"]["pairs_attended"] < 1

@@ -14,7 +14,8 @@ from ..integrations.transformers import focus_layers, has_focus, is_composed, se
 from .perplexity import perplexity
 
 MODES = ("dense", "soft", "hard")
-# Every mode a row can have: "sfa" is a model composed with SFA alone (with Focus, soft and hard include SFA).
+# Every mode a row can have: "sfa" is SFA alone (with Focus too, Focus switched to attending every causal pair),
+# and with SFA composed, soft and hard score through it.
 ALL_MODES = (*MODES, "sfa")
 
 
@@ -22,11 +23,15 @@ def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int
                    progress: bool = True) -> list[dict]:
     """One PPL row per mode, in order. On a plain model only "dense" applies (the model's own attention); on a
     model composed with SFA alone only "sfa" (its SFA attention); on a model composed with Focus each of dense, soft
-    and hard is switched to in turn (soft and hard route causally; with SFA composed too, they score through it),
-    then the model is left in the mode it had."""
+    and hard is switched to in turn (soft and hard route causally); on one composed with Focus and SFA each of sfa
+    (Focus switched to "dense": SFA scores over every causal pair), soft and hard (SFA scores inside the Focus
+    pattern). The model is then left in the Focus mode it had."""
     rows = []
     composed = has_focus(model)
-    if composed:
+    with_sfa = getattr(model, "sieve_sfa_config", None) is not None
+    if composed and with_sfa:
+        allowed, kind = ("sfa", "soft", "hard"), "a model composed with Focus and SFA"
+    elif composed:
         allowed, kind = MODES, "a model composed with Focus"
     elif is_composed(model):
         allowed, kind = ("sfa",), "a model composed with SFA alone"
@@ -37,7 +42,7 @@ def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int
         if mode not in allowed:
             fail("modes", f"one of {', '.join(allowed)} for {kind}", mode)
         if composed:
-            set_focus_mode(model, mode)
+            set_focus_mode(model, "dense" if mode == "sfa" else mode)
         rows.append({"mode": mode, **perplexity(model, windows, batch_size=batch_size, desc=mode, progress=progress)})
     if composed:
         set_focus_mode(model, previous)

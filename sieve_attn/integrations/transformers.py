@@ -324,10 +324,12 @@ def composed_configs(model: nn.Module) -> dict:
 def load_adapter(model: nn.Module, directory) -> nn.Module:
     """Loads an adapter saved by :func:`save_adapter`, composing ``model`` first when it is still plain (with the
     adapter's configs, its Focus mode and SFA backend included). A model already composed with the adapter's
-    configs keeps its own mode and backends.
+    configs keeps its own mode and backends; one composed with another method besides (Focus and SFA, taking an SFA
+    adapter) keeps that method's state as it is.
 
     Refuses, with a ValueError and before it changes the model, a model of another type, width or depth, one
-    composed with another config, and tensors that do not fit the layers the configs give this model.
+    composed with another config of a method the adapter holds, and tensors that do not fit the layers the configs
+    give this model.
     """
     saved = read_adapter_config(directory)
     if saved.get("format") != ADAPTER_FORMAT or saved.get("method") not in ("focus", "sfa", "focus+sfa"):
@@ -338,7 +340,9 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
     expected, actual = saved["base_model"], _model_signature(model)
     if expected != actual:
         fail("model", f"the model the adapter was trained on {expected}", actual)
-    if is_composed(model) and composed_configs(model) != trained_configs(focus, sfa):
+    composed, saved_configs = composed_configs(model), trained_configs(focus, sfa)
+    if is_composed(model) and any(config is not None and composed[method] != config
+                                  for method, config in saved_configs.items()):
         fail("model", f"a model composed with the adapter's configs {focus}, {sfa}",
              f"{model.sieve_config}, {model.sieve_sfa_config}")
     tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))

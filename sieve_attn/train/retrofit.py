@@ -9,9 +9,10 @@ import torch
 
 from .._checks import check_tensors_fit, fail
 from ..config import FocusConfig
-from ..integrations.transformers import (adapter_state, composed_configs, focus_layers, is_composed, save_adapter,
-                                          set_focus_mode)
+from ..integrations.transformers import (SFA_ATTR, adapter_state, composed_configs, focus_layers, is_composed,
+                                          save_adapter, set_focus_mode)
 from . import distributed, loop
+from .checkpoint import tensors_digest
 
 
 @dataclass
@@ -105,14 +106,17 @@ def _restore(model, optimizer, state: dict) -> None:
 
 
 def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings | None = None, *,
-             resume: bool = False, progress: bool = True) -> dict:
+             resume: bool = False, progress: bool = True, weights_digest: str | None = None) -> dict:
     """Trains the Focus routers of a composed ``model`` on token windows [N, T] with the LM loss.
 
-    AdamW over the router parameters only; the base model runs in eval mode (no dropout) with its weights frozen.
+    AdamW over the router parameters only; the base model runs in eval mode (no dropout) with its weights frozen,
+    and so do SFA's parts where the model is composed with SFA too (Focus retrofitted onto an SFA model).
     Every ``checkpoint_every`` steps and at the end, ``out_dir/checkpoint.pt`` is written atomically (routers,
     optimizer, step, loss history, step times); ``resume=True`` continues from it. ``micro_batch`` splits each
     process's share of a batch into micro-batches whose gradients add up (:class:`~.loop.TrainSettings`). The
-    trained adapter goes to ``out_dir/adapter``. Returns {"steps", "history" (list of (step, loss)), "adapter"}.
+    trained adapter goes to ``out_dir/adapter``. ``weights_digest``: the digest of fine-tuned weights the model
+    was given (:func:`sieve_attn.train.finetune.load_weights`), which a resumed run must share and the adapter
+    records (None: the model's own). Returns {"steps", "history" (list of (step, loss)), "adapter"}.
 
     Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
     same arguments: each trains on its share of every global batch (``batch_size`` must be a multiple of the number of
@@ -124,15 +128,20 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     _check_arguments(model, windows, settings)
     runtime = distributed.runtime(settings.batch_size)
     check_routing(model.sieve_config, settings, runtime.world_size)
+    identity = {"model": composed_configs(model),
+                "dtype": str(model.get_input_embeddings().weight.dtype)}  # the frozen base's
+    if weights_digest is not None:
+        identity["weights"] = weights_digest
+    frozen_parts = {k: v for k, v in adapter_state(model).items() if f".{SFA_ATTR}." in k}
+    if frozen_parts:  # read before placing: FSDP would shard them
+        identity["sfa"] = tensors_digest(frozen_parts)
     runtime.place(model)
     trainable = _router_parameters(model)  # after placing: moving the routers may have replaced them
     inference_mode = model.sieve_config.mode
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=0.0)
     job = loop.Job("retrofit", step=partial(_train_step, model, trainable, optimizer, runtime),
                    snapshot=lambda: {"routers": adapter_state(model), "optimizer": optimizer.state_dict()},
-                   restore=partial(_restore, model, optimizer),
-                   identity={"model": composed_configs(model),
-                             "dtype": str(model.get_input_embeddings().weight.dtype)})  # the frozen base's
+                   restore=partial(_restore, model, optimizer), identity=identity)
     model.eval()
     set_focus_mode(model, "train")
     for layer in focus_layers(model):
@@ -145,5 +154,5 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
             layer.router.eval()
         set_focus_mode(model, inference_mode)
     adapter = Path(out_dir) / "adapter"
-    runtime.write(lambda: save_adapter(model, adapter))
+    runtime.write(lambda: save_adapter(model, adapter, weights_digest=weights_digest))
     return {"steps": settings.steps, "history": history, "adapter": str(adapter)}

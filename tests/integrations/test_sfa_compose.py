@@ -130,6 +130,29 @@ def test_adapter_round_trip_and_refusal(tmp_path):
         sa.load_adapter(other, tmp_path)
 
 
+def test_an_sfa_adapter_fills_the_sfa_part_of_a_focus_and_sfa_model(tmp_path):
+    """Focus retrofitted onto an SFA model starts from the SFA adapter: it loads into the SFA layers of a model
+    composed with both and leaves the routers alone; a model without SFA, or with another SFA config, refuses it."""
+    torch.manual_seed(0)
+    sfa_model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4, feature_map=True))
+    for layer in sfa_layers(sfa_model):
+        layer.feature_map.data = torch.linalg.qr(torch.randn_like(layer.feature_map))[0]
+    sa.save_adapter(sfa_model, tmp_path)
+    focus = sa.FocusConfig(num_groups=4, window=4, top_k=1)
+    both = sa.compose(tiny_model("llama"), focus, sa.SFAConfig(topk=4, feature_map=True))
+    routers = {k: v.clone() for k, v in both.state_dict().items() if ".sieve_focus." in k}
+    sa.load_adapter(both, tmp_path)
+    assert all(torch.equal(v, both.state_dict()[k]) for k, v in routers.items())
+    assert all(torch.equal(a.feature_map, b.feature_map) for a, b in zip(sfa_layers(both), sfa_layers(sfa_model)))
+    sa.set_focus_mode(both, "dense")  # Focus attending every causal pair: SFA alone
+    ids = random_ids()
+    torch.testing.assert_close(_logits(both, ids), _logits(sfa_model, ids), rtol=0, atol=1e-5)
+    for other in (sa.compose(tiny_model("llama"), focus),
+                  sa.compose(tiny_model("llama"), focus, sa.SFAConfig(topk=8, feature_map=True))):
+        with pytest.raises(ValueError, match="model: expected a model composed with the adapter's configs"):
+            sa.load_adapter(other, tmp_path)
+
+
 def test_an_adapter_fits_any_backend_and_a_misfit_leaves_the_model_plain(tmp_path):
     """The backend only says which kernels compute SFA: an adapter saved with one loads into a model composed with
     another, which keeps its own. Tensors that do not fit are refused before the model changes."""
