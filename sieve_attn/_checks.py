@@ -42,6 +42,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         fail("q", f"at most as many query tokens as keys ({k.shape[2]})", q.shape[2])
     if q.shape[2] == 0:
         fail("q", "at least one query token", 0)
+    if q.shape[3] == 0:
+        fail("q", "a head dim D >= 1", 0)
 
 
 def fail_where(checks: list) -> None:
@@ -92,15 +94,17 @@ def nan_checks_skipped() -> bool:
 
 
 def nan_checks(**tensors: torch.Tensor) -> list:
-    """The :func:`fail_where` checks that each named tensor holds no NaN; none within :func:`skip_nan_checks`."""
+    """The :func:`fail_where` checks that each named tensor holds no NaN and no infinity (either would reach every
+    later output as NaN); none within :func:`skip_nan_checks`."""
     if nan_checks_skipped():
         return []
-    return [(name, "no NaN values", "NaN", torch.isnan(t).any()) for name, t in tensors.items()]
+    return [(name, "no NaN values and no infinities", "a NaN or an infinity", ~torch.isfinite(t).all())
+            for name, t in tensors.items()]
 
 
 def check_no_nan(**tensors: torch.Tensor) -> None:
-    """ValueError naming the first tensor holding a NaN; one host synchronisation for all of them (none within
-    :func:`skip_nan_checks`)."""
+    """ValueError naming the first tensor holding a NaN or an infinity; one host synchronisation for all of them
+    (none within :func:`skip_nan_checks`)."""
     fail_where(nan_checks(**tensors))
 
 
@@ -143,7 +147,17 @@ def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
     if not ok:
         got = f"{attn_mask.dtype} shape {tuple(attn_mask.shape)}" if isinstance(attn_mask, torch.Tensor) else attn_mask
         fail("attn_mask", f"a bool tensor [1 or {b}, 1 or {hq}, {tq}, {tk}]", got)
+    if attn_mask.device != q.device:
+        fail("attn_mask", f"a tensor on q's device ({q.device})", attn_mask.device)
     return attn_mask
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is True or False; anything else is refused rather than read by its truth ("no" would be
+    True, None False)."""
+    if not isinstance(value, bool):
+        fail(name, "True or False", repr(value))
+    return value
 
 
 def check_out(out, q: torch.Tensor) -> None:

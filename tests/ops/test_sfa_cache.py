@@ -275,6 +275,21 @@ def test_heads_of_packed_indices_start_on_word_boundaries_which_the_kernel_check
         decode_module._index_layout(shifted)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_kv_head_of_an_odd_byte_count_decodes(batch):
+    """A single KV head (MQA) whose packed bytes are no multiple of 4 (capacity 301 x 2 bytes): ``view`` gives the
+    head dimension a stride of 602, which the kernel never steps; the layout check accepts it."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    torch.manual_seed(0)
+    k, v = random_kv(batch, 1, 5, 16, F32)
+    cache = SFAKeyCache(batch, 1, 16, topk=4, dtype=F32, device=DEVICE, capacity=301)
+    cache.append(k, v)
+    q = torch.randn(batch, 4, 1, 16, device=DEVICE)
+    out, lse = sfa_decode(q, cache, backend="triton")
+    assert_sfa_of_the_dense_keys(out, lse, q, k, v, 4)
+
+
 @pytest.mark.parametrize("dtype, topk, word", [(BF16, 16, torch.int64), (BF16, 6, torch.int32), (F16, 7, F16),
                                                (F32, 2, torch.int64), (F32, 3, F32), (BF16, 1, BF16)])
 def test_kernel_reads_values_as_the_widest_words_that_tile_a_key(dtype, topk, word):

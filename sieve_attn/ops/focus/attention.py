@@ -32,7 +32,7 @@ from typing import Optional, Union
 import torch
 
 from ..._checks import check_attention_call, check_choice, check_int, check_positive_float, check_softcap, fail
-from ..._checks import check_qkv, resolve_scale
+from ..._checks import check_attn_mask, check_bool, check_qkv, resolve_scale
 from ...config import FOCUS_BACKENDS
 from ..masked_sdpa import causal_mask, masked_sdpa
 from ..triton_common import kernel_blocker
@@ -105,12 +105,14 @@ def focus_attention(
     attended pair is counted once. A query with no attended key (possible only through ``attn_mask``) returns 0 and
     log-sum-exp -inf.
 
-    Returns out [B, Hq, Tq, D] (dtype of q), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``.
+    Returns out [B, Hq, Tq, D] (dtype of q), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``;
+    gradients flow to q, k and v from both. The "sdpa" backend's lse carries none: it refuses ``return_lse`` while
+    autograd records, and "auto" then takes another backend; so does "triton" for a decode step (Tq < Tk).
     """
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     window = check_int("window", window, 0)
-    causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
+    causal, scale, softcap = check_bool("causal", causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
     needs_grad = _needs_grad(q, k, v)
     name, _ = _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=causal, softcap=softcap,
                        attn_mask=attn_mask, backend=backend, return_lse=return_lse, needs_grad=needs_grad)
@@ -147,15 +149,20 @@ def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, cau
     """(backend, reason): the backend :func:`focus_attention` uses for these arguments, and why. ``v`` (optional)
     only tells whether gradients will be asked of it, as of q and k.
 
-    Raises ValueError when an explicitly requested backend cannot serve the call."""
+    Raises ValueError for arguments :func:`focus_attention` refuses (their layout, not their values) and when an
+    explicitly requested backend cannot serve the call."""
+    check_qkv(q, k, k if v is None else v)
+    attn_mask, softcap = check_attn_mask(attn_mask, q, k), check_softcap(softcap)
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     needs_grad = _needs_grad(q, k, v)
-    return _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=bool(causal), softcap=softcap,
-                    attn_mask=attn_mask, backend=backend, return_lse=return_lse, needs_grad=needs_grad)
+    return _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=check_bool("causal", causal),
+                    softcap=softcap, attn_mask=attn_mask, backend=backend, return_lse=return_lse,
+                    needs_grad=needs_grad)
 
 
-def _triton_blocker(q, k, num_groups, causal, attn_mask) -> Optional[str]:
-    """Why the Triton kernels cannot compute this call, or None when they can."""
+def _triton_blocker(q, k, num_groups, causal, attn_mask, needs_grad: bool) -> Optional[str]:
+    """Why the Triton kernels cannot compute this call, or None when they can (``needs_grad``: gradients will be
+    asked of q, k or v)."""
     blocker = kernel_blocker(q, attn_mask)
     if blocker:
         return blocker
@@ -165,6 +172,8 @@ def _triton_blocker(q, k, num_groups, causal, attn_mask) -> Optional[str]:
     if q_len != k_len and (q_len > DECODE_MAX_QUERIES or not causal):
         return (f"the Triton kernels take Tq == Tk (prefill) or a causal decode step of at most "
                 f"{DECODE_MAX_QUERIES} queries, got Tq={q_len}, Tk={k_len}, causal={causal}")
+    if q_len != k_len and needs_grad:
+        return "the Triton decode kernel (Tq < Tk) has no backward, and q, k or v requires grad"
     return None
 
 
@@ -176,7 +185,7 @@ def _resolve(q, k, num_groups, memberships, *, causal, softcap, attn_mask, backe
     if backend == "reference":
         return "reference", "requested"
     if backend == "sdpa":
-        blocker = sdpa_blocker(q, k, softcap, attn_mask)
+        blocker = sdpa_blocker(q, k, softcap, attn_mask, return_lse and needs_grad)
         if blocker:
             fail("backend", "a call the decomposition backend can compute ('sdpa')", blocker)
         return "sdpa", "requested"
@@ -185,7 +194,7 @@ def _resolve(q, k, num_groups, memberships, *, causal, softcap, attn_mask, backe
         if blocker:
             fail("backend", "a call the FlexAttention decomposition can compute ('flex')", blocker)
         return "flex", "requested"
-    blocker = _triton_blocker(q, k, num_groups, causal, attn_mask)
+    blocker = _triton_blocker(q, k, num_groups, causal, attn_mask, needs_grad)
     if backend == "triton":
         if blocker:
             fail("backend", "a call the Triton kernels can compute ('triton')", blocker)
@@ -209,7 +218,7 @@ def _resolve(q, k, num_groups, memberships, *, causal, softcap, attn_mask, backe
     calls = {1: "one batched cuDNN call for the groups",
              2: "two batched cuDNN calls for the groups (inclusion-exclusion) and the Triton backward"}.get(memberships)
     if (threshold is not None and q.shape[2] == length and causal and group_length >= threshold[0]
-            and length >= threshold[1] and sdpa_blocker(q, k, softcap, attn_mask) is None):
+            and length >= threshold[1] and sdpa_blocker(q, k, softcap, attn_mask, return_lse and needs_grad) is None):
         return "sdpa", (f"{memberships} group(s) per token, {'with' if needs_grad else 'without'} gradients: "
                         f"{group_length} tokens per group and {length} tokens reach SDPA_FROM's {threshold}, where "
                         f"{calls} are faster")
@@ -268,6 +277,7 @@ def focus_soft_attention(
     check_choice("gate", gate, GATES)
     gate_lambda = check_positive_float("gate_lambda", gate_lambda)
     out, lse = focus_soft_attention_reference(q, k, v, assign, window=window, gate=gate, gate_lambda=gate_lambda,
-                                              causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
-                                              softcap=check_softcap(softcap), attn_mask=attn_mask)
+                                              causal=check_bool("causal", causal),
+                                              scale=resolve_scale(scale, q.shape[-1]), softcap=check_softcap(softcap),
+                                              attn_mask=attn_mask)
     return (out, lse.float()) if return_lse else out

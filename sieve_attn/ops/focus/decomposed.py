@@ -73,8 +73,11 @@ MIN_BLOCK = 64
 MAX_BLOCK = 1024
 
 
-def sdpa_blocker(q: torch.Tensor, k: torch.Tensor, softcap, attn_mask) -> Optional[str]:
-    """Why the decomposition backend cannot compute this call, or None when it can."""
+def sdpa_blocker(q: torch.Tensor, k: torch.Tensor, softcap, attn_mask, lse_needs_grad: bool = False) -> Optional[str]:
+    """Why the decomposition backend cannot compute this call, or None when it can. ``lse_needs_grad``: the call
+    returns lse while autograd records (its cuDNN backward ops take no gradient of the log-sum-exp)."""
+    if lse_needs_grad:
+        return "the sdpa backend's lse carries no gradient (return_lse=True with inputs that require grad)"
     if attn_mask is not None:
         return "the sdpa backend takes no attn_mask"
     if softcap is not None:
@@ -99,21 +102,27 @@ def focus_attention_sdpa(q, k, v, groups: FocusGroups, *, window: int, causal: b
 
 class PlanAttention(torch.autograd.Function):
     """Attention computed by a plan: ``plan.forward(q, k, v) -> (out, lse)`` and ``plan.backward(q, k, v, out, lse,
-    grad_out) -> (dq, dk, dv)``; out, lse and the inputs are kept for the backward, lse gets no gradient."""
+    grad_out[, grad_lse]) -> (dq, dk, dv)``; out, lse and the inputs are kept for the backward. lse gets a gradient
+    where the plan's ``lse_has_gradient`` says so (its backward then takes ``grad_lse``, None when lse was not
+    used), and is non-differentiable otherwise."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
         out, lse = plan.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
+        if not plan.lse_has_gradient:
+            ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out  # a loss on lse alone
+        extra = (grad_lse,) if ctx.plan.lse_has_gradient else ()
         with on_device_of(q):  # autograd's device thread is q's already; compiled autograd may not set it
-            return (*ctx.plan.backward(q, k, v, out, lse, grad_out), None)
+            return (*ctx.plan.backward(q, k, v, out, lse, grad_out, *extra), None)
 
 
 # ---------------------------------------------------------------------------------------------------- layouts
@@ -462,7 +471,10 @@ def _clear_empty(out: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor):
 
 class _Plan:
     """What the forward and backward of one call share: the sorted memberships, the window blocks, the settings,
-    the causal call's family and what the fused calls saved for their backward ops."""
+    the causal call's family and what the fused calls saved for their backward ops. Its lse carries no gradient
+    (:func:`sdpa_blocker`)."""
+
+    lse_has_gradient = False
 
     def __init__(self, groups: FocusGroups, q, k, *, window: int, causal: bool, scale: float):
         self.batch, self.length = q.shape[0], q.shape[2]

@@ -439,11 +439,13 @@ class _Kernels:
         return (self.bits.stride(0), q.shape[1], q.shape[2], self.window, self.scale, self.softcap or 1.0)
 
 
-def _backward_inputs(q, k, v, out, grad_out, grads=None):
-    """Contiguous q, k, v, dO; delta = rowsum(dO * O) [B, Hq, T] float32; ``grads`` (float32 dq, dk, dv to add
-    into, made contiguous) or zeros."""
+def _backward_inputs(q, k, v, out, grad_out, grads=None, grad_lse=None):
+    """Contiguous q, k, v, dO; delta = rowsum(dO * O) - dlse [B, Hq, T] float32 (``grad_lse``: the gradient of the
+    returned lse, None for none: d lse_i / d s_ij = P_ij folds into the row's delta); ``grads`` (float32 dq, dk, dv
+    to add into, made contiguous) or zeros."""
     grad_out = grad_out.contiguous()
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1)
+    delta = (delta if grad_lse is None else delta - grad_lse.float()).contiguous()
     if grads is None:
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
     return (*(t.contiguous() for t in (q, k, v)), grad_out, delta, [g.contiguous() for g in grads])
@@ -474,7 +476,10 @@ class WindowSet(_Kernels):
 
 class _Pattern(_Kernels):
     """Both pair sets: the plan of a :class:`~.decomposed.PlanAttention` for the Triton backend. Forward: the window
-    kernel writes a float32 partial, the group kernel continues from it and writes the output."""
+    kernel writes a float32 partial, the group kernel continues from it and writes the output. Its lse carries
+    gradient."""
+
+    lse_has_gradient = True
 
     def __init__(self, groups, bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device):
         super().__init__(bits, num_groups, batch, length, kv_heads, window, causal, scale, softcap, device)
@@ -501,8 +506,8 @@ class _Pattern(_Kernels):
             merge_extra_partials(out, lse, *extra, grp.extra_batch, grp.extra_token, one_per_row=self.slots == 2)
         return out, lse
 
-    def backward(self, q, k, v, out, lse, grad_out):
-        q, k, v, grad_out, delta, grads = _backward_inputs(q, k, v, out, grad_out)
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse=None):
+        q, k, v, grad_out, delta, grads = _backward_inputs(q, k, v, out, grad_out, grad_lse=grad_lse)
         for layout, window_set, multi in self.sets():
             self._launch_backward(layout, window_set, multi, q, k, v, grad_out, lse, delta, *grads)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
@@ -514,7 +519,7 @@ def focus_attention_triton(q, k, v, groups, bits, *, num_groups, window, causal,
     :func:`~sieve_attn.ops.focus.reference.group_bits` [B, T], ids < ``num_groups`` <= 63 and D a power of two
     in [16, 256].
 
-    Returns (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32). Gradients flow to q, k, v (not through lse).
+    Returns (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] float32). Gradients flow to q, k, v from both.
     """
     with on_device_of(q):  # the backward's launches run where autograd sets the device: q's
         pattern = _Pattern(groups, bits, num_groups, q.shape[0], q.shape[2], k.shape[1], window, causal, scale,

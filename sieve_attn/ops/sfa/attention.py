@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..._checks import check_attention_call, check_choice, check_int, check_softcap, resolve_scale
+from ..._checks import check_attention_call, check_bool, check_choice, check_int, check_softcap, resolve_scale
 from ...config import SFA_BACKENDS as BACKENDS
 from ..triton_common import choose_backend, kernel_blocker
 from .reference import sfa_attention_reference
@@ -68,7 +68,7 @@ def sfa_attention(
     """
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     topk = check_int("topk", topk, 1, q.shape[-1])
-    causal, scale, softcap = bool(causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
+    causal, scale, softcap = check_bool("causal", causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
     resolved, _ = _resolve(q, attn_mask, softcap, return_lse, backend)
     if resolved == "sdpa":
         result = sfa_attention_sdpa(q, k, v, topk=topk, causal=causal, scale=scale, attn_mask=attn_mask)

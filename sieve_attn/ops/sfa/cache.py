@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import FLOAT_DTYPES, check_int, check_no_nan, fail
-from .codes import index_dtype, sparse_codes
+from ..._checks import FLOAT_DTYPES, check_int, check_no_nan, fail, fail_where
+from .codes import index_checks, index_dtype, sparse_codes
 
 
 # ---------------------------------------------------------------------------------------------------- bit packing
@@ -231,15 +231,9 @@ class SFAKeyCache:
             fail(name, f"a tensor on {self.device} (the cache's device)", t.device)
 
     def _check_coordinates(self, indices: torch.Tensor) -> None:
-        """Every index in [0, D), distinct within each key: with a repeated coordinate, densify's scatter and the
-        kernel's selects would each keep one of its values, not necessarily the same one."""
-        wide = indices.long()
-        low, high = wide.min().item(), wide.max().item()
-        if low < 0 or high >= self.head_dim:
-            fail("indices", f"coordinates in [0, {self.head_dim})", f"values in [{low}, {high}]")
-        ordered = wide.sort(dim=-1).values
-        if (ordered[..., 1:] == ordered[..., :-1]).any().item():
-            fail("indices", "distinct coordinates within each key", "a repeated coordinate")
+        """Every index in [0, D), distinct within each key (:func:`.codes.index_checks`), also within
+        :func:`sieve_attn.skip_nan_checks`: the kernel reads memory by them."""
+        fail_where(index_checks(indices, self.head_dim))
 
     def _write(self, indices: torch.Tensor, values: torch.Tensor, v: torch.Tensor) -> None:
         """Stores checked codes (indices packed here) and V of Tnew tokens after the filled part, growing first if

@@ -89,16 +89,34 @@ def sparse_codes(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def densify(indices: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tensor:
-    """Zero-filled dense [..., dim] tensor with ``values`` [..., k] at ``indices`` [..., k] (any integer dtype,
-    distinct per vector, in [0, dim): ValueError otherwise, checked with the NaN checks, so not within
-    :func:`sieve_attn.skip_nan_checks`) and 0 elsewhere; dtype of values. Differentiable in values."""
+    """Zero-filled dense [..., dim] tensor with ``values`` [..., k] at ``indices`` [..., k] and 0 elsewhere; dtype
+    of values. Differentiable in values. ``indices``: an integer tensor on values' device, coordinates in [0, dim)
+    distinct within each vector (ValueError otherwise; the values are checked with the NaN checks, so not within
+    :func:`sieve_attn.skip_nan_checks`)."""
     dim = check_int("dim", dim, 1)
+    if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point:
+        fail("values", "a float tensor [..., k]", getattr(values, "dtype", type(values).__name__))
+    if not isinstance(indices, torch.Tensor) or indices.dtype.is_floating_point or indices.dtype.is_complex or \
+            indices.dtype == torch.bool:
+        fail("indices", "an integer tensor [..., k]", getattr(indices, "dtype", type(indices).__name__))
     if indices.shape != values.shape:
         fail("indices", f"the shape of values {tuple(values.shape)}", f"shape {tuple(indices.shape)}")
+    if indices.device != values.device:
+        fail("indices", f"a tensor on values' device ({values.device})", indices.device)
     if not nan_checks_skipped():
-        wide = indices.long()
-        fail_where([("indices", f"coordinates in [0, dim = {dim})", "one outside", ((wide < 0) | (wide >= dim)).any())])
+        fail_where(index_checks(indices, dim))
     return scatter_codes(indices, values, dim)
+
+
+def index_checks(indices: torch.Tensor, dim: int) -> list:
+    """The :func:`~sieve_attn._checks.fail_where` checks that ``indices`` [..., k] hold coordinates in [0, dim),
+    distinct within each vector: with a repeated one, a scatter or a kernel's select would each keep one of its
+    values, not necessarily the same one."""
+    wide = indices.long()
+    ordered = wide.sort(dim=-1).values
+    return [("indices", f"coordinates in [0, {dim})", "one outside", ((wide < 0) | (wide >= dim)).any()),
+            ("indices", "distinct coordinates within each vector", "a repeated coordinate",
+             (ordered[..., 1:] == ordered[..., :-1]).any())]
 
 
 def scatter_codes(indices: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tensor:

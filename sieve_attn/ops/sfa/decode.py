@@ -487,8 +487,10 @@ def _index_layout(packed: torch.Tensor) -> None:
     """The layout the kernel reads packed indices [B, Hkv, T, bytes] in, which :class:`.cache.SFAKeyCache` keeps:
     each head's keys back to back (strides bytes and 1), the head's first byte on a 4-byte boundary (base, batch
     and head strides multiples of 4), and the head's allocation ending on one, so that the 4-byte words the kernel
-    reads (:func:`_index_word`) lie in it."""
-    aligned = packed.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in packed.stride()[:2])
+    reads (:func:`_index_word`) lie in it. The stride of a batch or head dimension of size 1 is never stepped
+    (``view`` gives one the size of what follows: a single KV head of an odd byte count)."""
+    aligned = packed.data_ptr() % 4 == 0 and all(stride % 4 == 0 for size, stride in
+                                                 zip(packed.shape[:2], packed.stride()[:2]) if size > 1)
     if packed.stride()[2:] != (packed.shape[-1], 1) or not aligned:
         fail("cache", "packed indices in the SFAKeyCache layout (keys back to back, heads on 4-byte boundaries)",
              f"strides {packed.stride()} at offset {packed.data_ptr() % 4} mod 4")

@@ -83,7 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._checks import check_qkv, check_softcap, fail, resolve_scale
+from ..._checks import check_bool, check_qkv, check_softcap, fail, resolve_scale
 from ..triton_common import dot, kernel_blocker, on_device_of, tanh
 from .codes import sparse_codes
 
@@ -446,14 +446,18 @@ def _forward(q_idx, q_val, k_idx, k_val, v, causal: bool, scale: float, softcap:
     return out.to(v.dtype), lse
 
 
-def _backward(q_idx, q_val, k_idx, k_val, v, out, lse, grad_out, causal: bool, scale: float,
+def _backward(q_idx, q_val, k_idx, k_val, v, out, lse, grad_out, grad_lse, causal: bool, scale: float,
               softcap: Optional[float]):
-    """Launch the two backward kernels; returns the gradients of q_val, k_val (their dtypes) and v."""
+    """Launch the two backward kernels; returns the gradients of q_val, k_val (their dtypes) and v. ``grad_out``
+    and ``grad_lse`` (either may be None: that output unused) are the gradients of out and lse; d lse_i / d s_ij
+    = P_ij, so the lse's folds into each row's delta."""
     batch, q_heads, q_len, topk = q_idx.shape
     kv_heads, k_len, dim = v.shape[1:]
     tiles = tiling(v.device)
-    grad_out = grad_out.contiguous()
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.float()
     dq_val = torch.empty(q_idx.shape, dtype=torch.float32, device=v.device)
     dk_val = torch.empty(k_idx.shape, dtype=torch.float32, device=v.device)
     dv = torch.empty(v.shape, dtype=_written_dtype(v), device=v.device)
@@ -475,12 +479,12 @@ class _FlashSFA(torch.autograd.Function):
         out, lse = _forward(q_idx, q_val, k_idx, k_val, v, causal, scale, softcap)
         ctx.save_for_backward(q_idx, q_val, k_idx, k_val, v, out, lse)
         ctx.settings = (causal, scale, softcap)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        dq_val, dk_val, dv = _backward(*ctx.saved_tensors, grad_out, *ctx.settings)
+        dq_val, dk_val, dv = _backward(*ctx.saved_tensors, grad_out, grad_lse, *ctx.settings)
         return None, dq_val, None, dk_val, dv, None, None, None
 
 
@@ -534,13 +538,13 @@ def sfa_attention_from_codes(q_idx: torch.Tensor, q_val: torch.Tensor, k_idx: to
     The logit of (i, j) is scale * sum over the coordinates both codes hold of q_val * k_val (then the softcap);
     then softmax and P.V, as :func:`.reference.sfa_attention_reference` on the densified codes.
 
-    Returns out [B, Hq, Tq, D] (dtype of v) and lse [B, Hq, Tq] (float32, natural log). Differentiable in q_val,
-    k_val and v (not through lse).
+    Returns out [B, Hq, Tq, D] (dtype of v) and lse [B, Hq, Tq] (float32, natural log), both differentiable in
+    q_val, k_val and v.
     """
     _check_codes(q_idx, q_val, k_idx, k_val, v)
     scale = resolve_scale(scale, v.shape[-1])
     codes = (t.contiguous() for t in (q_idx, q_val, k_idx, k_val, v))
-    return _FlashSFA.apply(*codes, bool(causal), scale, check_softcap(softcap))
+    return _FlashSFA.apply(*codes, check_bool("causal", causal), scale, check_softcap(softcap))
 
 
 def flash_sfa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, topk: int, causal: bool,
@@ -574,6 +578,6 @@ def dense_cuda_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     with on_device_of(q):
         _fwd_kernel[(triton.cdiv(q_len, tiles.block_m), batch * q_heads)](
             q, q, k, k, v, out, lse, q_len, k_len, resolve_scale(scale, dim), 1.0, GQA=q_heads // kv_heads, TOPK=1,
-            HEAD_DIM=dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=bool(causal), SPARSE=False,
+            HEAD_DIM=dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=check_bool("causal", causal), SPARSE=False,
             SOFTCAP=False, NATIVE=_native(v), num_warps=tiles.warps, num_stages=tiles.stages)
     return out.to(q.dtype), lse
