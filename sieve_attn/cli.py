@@ -335,6 +335,11 @@ def _claim_out(args) -> None:
     if not os.access(out, os.W_OK):
         raise SystemExit(f"--out: expected a folder this run can write, got {str(out)!r} (not writable)")
     found = [name for name in RUN_FILES if (out / name).exists()] + sorted(p.name for p in out.glob("best-*"))
+    if args.resume and args.overwrite:
+        raise SystemExit("--resume, --overwrite: expected one of them (continue the run in --out, or replace it), "
+                         "got both")
+    if args.resume and not (out / "checkpoint.pt").is_file():
+        print(f"--resume: no checkpoint in {str(out)!r}; starting from step 0", file=sys.stderr)
     if not found or args.resume:
         return
     if not args.overwrite:
@@ -385,7 +390,7 @@ def _retrofit_settings(args):
         config = _focus_config(args)
         settings = RetrofitSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                                     checkpoint_every=args.checkpoint_every, micro_batch=args.micro_batch)
-        settings.check()
+        settings.check(processes())
         check_routing(config, settings, processes())
     return config, settings
 
@@ -408,7 +413,8 @@ def _train(model, tokenizer, args, config, settings, weights_digest: str | None 
         compose(model, config)
     else:
         compose(model, config, SFAConfig.from_dict(read_adapter_config(sfa_adapter)["sfa"]))
-        load_adapter(model, sfa_adapter)  # the SFA layers' maps and selection weights; the routers stay as drawn
+        # the SFA layers' maps and selection weights; the routers stay as drawn
+        load_adapter(model, sfa_adapter, weights_digest=weights_digest)
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
     return retrofit(model, windows, args.out, settings, resume=args.resume, weights_digest=weights_digest)
 
@@ -444,14 +450,14 @@ def cmd_eval_ppl(args) -> int:
     _check_common_options(args)
     saved = None if args.adapter is None else read_adapter_config(args.adapter)
     modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
-    model, tokenizer = _setup_with_weights(args, saved)
+    model, tokenizer, weights = _setup_with_weights(args, saved)
     windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
     focus_config = sfa_config = None
     if saved is not None:
         if args.sfa_backend is not None:  # composed first: a composed model keeps its backend when the adapter loads
             _compose_saved(model, saved, sfa_backend=args.sfa_backend)
-        load_adapter(model, args.adapter)
+        load_adapter(model, args.adapter, weights_digest=weights)
         if args.top_k is not None:
             reconfigure(model, top_k=args.top_k)
         focus_config = None if model.sieve_config is None else model.sieve_config.to_dict()
@@ -467,11 +473,11 @@ def cmd_eval_ppl(args) -> int:
 
 
 def _setup_with_weights(args, saved: dict | None):
-    """(model, tokenizer) of --model with --weights loaded, checked against the adapter (its config ``saved``)."""
+    """(model, tokenizer, digest of --weights or None) of --model with --weights loaded, checked against the
+    adapter (its config ``saved``)."""
     _check_weights_given(args, saved)
     model, tokenizer = _setup(args)
-    _load_checked_weights(model, args, saved)
-    return model, tokenizer
+    return model, tokenizer, _load_checked_weights(model, args, saved)
 
 
 def _check_weights_given(args, saved: dict | None) -> None:
@@ -505,9 +511,9 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens: expected at least 1, got {args.max_new_tokens}")
     saved = None if args.adapter is None else read_adapter_config(args.adapter)
-    model, tokenizer = _setup_with_weights(args, saved)
+    model, tokenizer, weights = _setup_with_weights(args, saved)
     if saved is not None:
-        load_adapter(model, args.adapter)
+        load_adapter(model, args.adapter, weights_digest=weights)
     record = generate(model, tokenizer, args.prompt, args.max_new_tokens, check=args.check)
     mib = {name: f"{size / 2 ** 20:.2f}" for name, size in record["cache"].items() if name.endswith("_bytes")}
     print(f"{args.prompt}{record['text']}")
@@ -563,8 +569,12 @@ def _compose_saved(model, saved: dict, *, sfa_backend: str) -> None:
 def cmd_demo(args) -> int:
     from .eval.plots import plot_loss
     from .eval.report import environment, evaluate_modes, format_table, router_parameter_count, write_json
+    from .train.distributed import processes
 
     started = time.time()
+    if processes() > 1:
+        raise SystemExit(f"demo: expected one process (it trains, scores and writes alone; `sieve retrofit` trains "
+                         f"on several), got {processes()} from a launcher")
     _check_common_options(args)
     config, settings = _retrofit_settings(args)
     _claim_out(args)
@@ -663,7 +673,7 @@ def cmd_finetune(args) -> int:
                                     micro_batch=args.micro_batch, topk_warmup=args.topk_warmup,
                                     validate_every=args.validate_every, mixed_precision=args.mixed_precision,
                                     distill_weight=distill_weight, sparsity_weight=args.sparsity_weight)
-        settings.check()
+        settings.check(distributed.processes())
         sfa = SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped,
                         selection=args.selection) if args.method == "sfa" else None
     _claim_out(args)

@@ -2,6 +2,7 @@
 prototype baseline, the extra backends' rows and the CLI help."""
 import functools
 import json
+import re
 import time
 
 import pytest
@@ -210,3 +211,63 @@ def test_backend_used_asks_with_gradients_in_forward_backward_rows(monkeypatch):
     for mode in ("forward", "forward+backward", "decode"):
         assert bench.backend_used(q, q, groups, mode) == ("triton", "why")
     assert seen == [False, True, False] and not q.requires_grad
+
+
+def test_the_gradient_gate_checks_the_backend_the_timed_length_resolves_to(tmp_path, monkeypatch):
+    """auto may pick one backend at the gate's short length (dense SDPA below 8K on CUDA) and another at the timed
+    length: the gate runs the timed one, forced, and says which."""
+    from sieve_attn.bench import focus as bench_focus
+    resolved = {512: ("sdpa", "long enough"), 256: ("dense", "short")}
+    monkeypatch.setattr(bench_focus.focus_ops, "focus_backend",
+                        lambda q, k, groups, **kwargs: resolved.get(q.shape[2], ("reference", "decode")))
+    gated = []
+    real = bench_focus.focus_ops.focus_attention
+    monkeypatch.setattr(bench_focus.focus_ops, "focus_attention",
+                        lambda *a, backend, **kw: gated.append((a[0].shape[2], backend)) or real(*a, backend=backend,
+                                                                                                  **kw))
+    out = tmp_path / "bench"
+    argv = ["bench", "focus", *TINY, "--top-k", "1", "--decode-lengths", "", "--backend", "auto", "--backward",
+            "--backward-gate-length", "128", "--out", str(out)]
+    assert main(argv) == 0  # the options given last (--backend, --top-k, --decode-lengths) replace TINY's
+    rows = [r for r in json.loads((out / "bench_focus.json").read_text())["rows"] if r["mode"] == "forward+backward"]
+    assert [r["focus_backend"] for r in rows] == ["dense", "sdpa"]
+    assert [r["gate"]["checked"] for r in rows] == ["dq, dk, dv at T=128, backend dense",
+                                                    "dq, dk, dv at T=128, backend sdpa"]
+    assert {(128, "dense"), (128, "sdpa")} <= set(gated)
+
+
+def test_rows_measured_before_a_crash_are_on_disk(tmp_path, monkeypatch):
+    """The JSON is rewritten (atomically) as rows complete: an error in the decode rows leaves the prefill rows,
+    marked incomplete."""
+    from sieve_attn.bench import focus as bench_focus
+
+    def crash(*args):
+        raise RuntimeError("the machine went away")
+    monkeypatch.setattr(bench_focus, "decode_rows", crash)
+    out = tmp_path / "bench"
+    with pytest.raises(RuntimeError, match="went away"):
+        main(["bench", "focus", *TINY, "--out", str(out)])
+    record = json.loads((out / "bench_focus.json").read_text())
+    assert record["complete"] is False and [r["T"] for r in record["rows"]] == [256, 256, 512, 512]
+    assert main(["bench", "focus", *TINY, "--decode-lengths", "", "--out", str(out)]) == 0
+    assert json.loads((out / "bench_focus.json").read_text())["complete"] is True
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--warmup", "-1"], "--warmup: expected an integer >= 0"),
+    (["--budget", "0"], "--budget: expected a finite number of seconds > 0"),
+    (["--max-call-seconds", "-1"], "--max-call-seconds: expected a finite number of seconds > 0"),
+    (["--window", "-1"], "--window: expected an int >= 0, got -1"),
+    (["--groups", "4,2048", "--top-k", "2"], "--spread: 'combinations' deals all C\\(K=2048, top-k=2\\)"),
+    (["--cuda-graphs", "--skip-nan-checks"], "--cuda-graphs: expected with a CUDA --device"),
+    (["--device", "foo"], "--device: expected cpu or a CUDA device"),
+    (["--out", __file__], "--out: expected a folder this run can write"),
+])
+def test_options_that_cannot_run_are_refused_before_anything_is_timed(tmp_path, capsys, options, message):
+    out = [] if "--out" in options else ["--out", str(tmp_path / "bench")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "focus", *TINY, *options, *out])
+    captured = capsys.readouterr()
+    # argparse's own refusals are printed and exit with 2; ours carry their message
+    assert re.search(message, captured.err if exit_info.value.code == 2 else str(exit_info.value.code))
+    assert "| forward |" not in captured.out

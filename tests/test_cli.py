@@ -55,11 +55,27 @@ def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(t
                                                     "'/no/such/text'"),
     (["demo", "--eval-text", "/no/such/text"], "--eval-text: expected an existing file or folder"),
     (["retrofit", "--out", __file__ + "/out"], "--out: expected a folder this run can write"),
+    (["retrofit", "--batch-size", "4", "--micro-batch", "3", "--train-routing", "sinkhorn"],
+     r"--micro-batch: expected a divisor of each process's share of the batch \(4 windows\), got 3"),
+    (["finetune", "--batch-size", "4", "--micro-batch", "3"], "--micro-batch: expected a divisor"),
+    (["retrofit", "--resume", "--overwrite"], "--resume, --overwrite: expected one of them"),
 ])
 def test_training_commands_refuse_bad_options_before_loading_the_model(tmp_path, argv, message):
     out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit, match=message):
         main([*argv, "--model", str(tmp_path / "no model here"), *out])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["retrofit", "--batch-size", "3"], "--batch-size: expected a multiple of the 2 processes"),
+    (["finetune", "--batch-size", "4", "--micro-batch", "4"], r"--micro-batch: expected a divisor of each "
+                                                              r"process's share of the batch \(2 windows\), got 4"),
+    (["demo"], "demo: expected one process"),
+])
+def test_a_launch_of_two_processes_checks_the_split_before_loading_the_model(tmp_path, monkeypatch, argv, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch and torchrun set in each process
+    with pytest.raises(SystemExit, match=message):
+        main([*argv, "--model", str(tmp_path / "no model here"), "--out", str(tmp_path / "out")])
 
 
 @pytest.mark.parametrize("command", ["retrofit", "demo", "finetune"])

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import skip_nan_checks
+from .._files import atomic_write
 from .._provenance import git_commit, source_digest
 from .timing import WARMUP_S, graphed, measure
 
@@ -111,6 +113,22 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def non_negative_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def head_pair(text: str) -> tuple[int, int]:
     """'32/8' -> (32 query heads, 8 KV heads)."""
     parts = text.split("/")
@@ -170,14 +188,14 @@ def _add_mode_arguments(parser: argparse.ArgumentParser, d: Settings, baselines:
 def _add_timing_arguments(parser: argparse.ArgumentParser, d: Settings) -> None:
     """--warmup, --reps, --budget, --max-call-seconds, --gate-rows, --backward-gate-length."""
     timing = parser.add_argument_group("timing and correctness gate")
-    timing.add_argument("--warmup", type=int, default=d.warmup,
+    timing.add_argument("--warmup", type=non_negative_int, default=d.warmup,
                         help=f"untimed calls before timing a call shorter than {LONG_CALL_S:g} s, and more until "
                              f"they have taken {WARMUP_S * 1000:g} ms ({d.warmup})")
     timing.add_argument("--reps", type=positive_int, default=d.reps,
                         help=f"timed calls at most, each after an L2 flush; the median is reported ({d.reps})")
-    timing.add_argument("--budget", type=float, default=d.budget_s,
+    timing.add_argument("--budget", type=positive_seconds, default=d.budget_s,
                         help=f"seconds of timed calls per measurement; a longer call is timed once ({d.budget_s:g})")
-    timing.add_argument("--max-call-seconds", type=float, default=d.max_call_s,
+    timing.add_argument("--max-call-seconds", type=positive_seconds, default=d.max_call_s,
                         help=f"skip a call predicted (from the previous length) to take longer ({d.max_call_s:g})")
     timing.add_argument("--gate-rows", type=positive_int, default=d.gate_rows,
                         help=f"sampled query rows checked against exact attention per configuration ({d.gate_rows})")
@@ -235,6 +253,8 @@ def settings_from_args(args: argparse.Namespace) -> dict:
     if args.cuda_graphs and not args.skip_nan_checks:
         raise SystemExit("--cuda-graphs: expected with --skip-nan-checks (the NaN checks synchronise with the host, "
                          "which graph capture forbids), got it alone")
+    if args.cuda_graphs and not str(args.device).startswith("cuda"):
+        raise SystemExit(f"--cuda-graphs: expected with a CUDA --device (graphs are CUDA's), got {args.device!r}")
     return dict(lengths=args.lengths, heads=args.heads, head_dims=args.head_dims, backend=args.backend,
                 baselines=args.baselines, backward=args.backward, max_backward_length=args.max_backward_length,
                 decode_lengths=args.decode_lengths, decode_heads=args.decode_heads, warmup=args.warmup,
@@ -388,6 +408,7 @@ class Timer:
     ``max_call_s`` is skipped, and a method that failed (out of memory, unsupported) is not tried again."""
 
     def __init__(self, config: Settings):
+        _check_device(config.device)
         self.config = config
         self.device = torch.device(config.device)
         self.last: dict[tuple, tuple[int, float]] = {}
@@ -516,30 +537,34 @@ def _check_device(name: str) -> None:
                          f"got {name!r}")
 
 
-def sweep(timer: Timer, header: str, prefill_rows: Callable, decode_rows: Callable) -> list[dict]:
+def sweep(timer: Timer, header: str, prefill_rows: Callable, decode_rows: Callable,
+          on_rows: Optional[Callable[[list], object]] = None) -> list[dict]:
     """Every row of a bench, printed as it completes: per head dim, the prefill rows at each length (forward, and
     forward+backward up to ``max_backward_length`` with ``backward``), then the decode rows at each cache length.
-    ``prefill_rows(timer, mode, q, k, v)`` and ``decode_rows(timer, cache_len, head_dim)`` return lists of rows.
-    With ``skip_nan_checks`` everything runs inside :func:`sieve_attn.skip_nan_checks`."""
+    ``prefill_rows(timer, mode, q, k, v)`` and ``decode_rows(timer, cache_len, head_dim)`` return lists of rows;
+    ``on_rows(rows)`` receives the rows so far after each of them (:meth:`Record.write`). With ``skip_nan_checks``
+    everything runs inside :func:`sieve_attn.skip_nan_checks`."""
     config = timer.config
-    _check_device(config.device)
     print(header, flush=True)
     with skip_nan_checks() if config.skip_nan_checks else contextlib.nullcontext():
-        return _sweep_rows(timer, prefill_rows, decode_rows)
+        return _sweep_rows(timer, prefill_rows, decode_rows, on_rows or (lambda rows: None))
 
 
-def _sweep_rows(timer: Timer, prefill_rows: Callable, decode_rows: Callable) -> list[dict]:
+def _sweep_rows(timer: Timer, prefill_rows: Callable, decode_rows: Callable, on_rows: Callable) -> list[dict]:
     config = timer.config
     rows = []
     for head_dim in config.head_dims:
         for length in config.lengths:
             q, k, v = make_qkv(config.heads, config.heads, length, length, head_dim, timer.device, config.seed)
             rows += prefill_rows(timer, FORWARD, q, k, v)
+            on_rows(rows)
             if config.backward and length <= config.max_backward_length:
                 rows += prefill_rows(timer, BACKWARD, q, k, v)
+                on_rows(rows)
             del q, k, v
         for cache_len in config.decode_lengths:
             rows += decode_rows(timer, cache_len, head_dim)
+            on_rows(rows)
     return rows
 
 
@@ -637,18 +662,37 @@ def speedup_axis(ax, rows: list[dict], mode: str, ylabel: str, title: str) -> No
         ax.text(0.5, 0.5, "no speedup measured", transform=ax.transAxes, ha="center")
 
 
-def finish(config: Settings, rows: list[dict], out: Path, json_name: str, plot: Callable[[list, Path], Path],
-           png_name: str, *, method: str, **extra) -> int:
-    """Writes OUT/json_name (environment, settings, rows and ``extra``) and the plot OUT/png_name; returns the exit
-    status: 1 if any row failed its gate or the method under test (``row[method]``) raised (what :func:`describe`
-    calls failed; out of memory and calls skipped as too long are results, not failures), else 0. Each such row
-    is printed with its reason."""
-    record = {"environment": environment(torch.device(config.device)), "settings": asdict(config), "rows": rows,
-              **extra}
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / json_name
-    json_path.write_text(json.dumps(record, indent=2))
-    plot_path = plot(rows, out / png_name)
+class Record:
+    """OUT/json_name of a bench run: environment, settings, ``extra``, the rows, and whether the sweep is
+    "complete". Built before any timing (it checks --device and --out), rewritten atomically as rows complete, so
+    an error or a kill mid-sweep keeps the rows measured."""
+
+    def __init__(self, config: Settings, out: Path, json_name: str, **extra):
+        _check_device(config.device)
+        out = Path(out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SystemExit(f"--out: expected a folder this run can write, got {str(out)!r} "
+                             f"({error.strerror or error})") from None
+        if not os.access(out, os.W_OK):
+            raise SystemExit(f"--out: expected a folder this run can write, got {str(out)!r} (not writable)")
+        self.out, self.path = out, out / json_name
+        self.base = {"environment": environment(torch.device(config.device)), "settings": asdict(config), **extra}
+
+    def write(self, rows: list[dict], complete: bool = False) -> Path:
+        record = {**self.base, "complete": complete, "rows": rows}
+        atomic_write(self.path, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=2)))
+        return self.path
+
+
+def finish(record: Record, rows: list[dict], plot: Callable[[list, Path], Path], png_name: str, *,
+           method: str) -> int:
+    """Writes the complete ``record`` and the plot OUT/png_name; returns the exit status: 1 if any row failed its
+    gate or the method under test (``row[method]``) raised (what :func:`describe` calls failed; out of memory and
+    calls skipped as too long are results, not failures), else 0. Each such row is printed with its reason."""
+    json_path = record.write(rows, complete=True)
+    plot_path = plot(rows, record.out / png_name)
     failed = [row for row in rows if row["correct"] is False or (row[method].get("reason") or "").startswith("failed")]
     for row in failed:
         print(f"FAILED {row['mode']} T={format_length(row['T'])} D={row['head_dim']}: "

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -42,7 +42,7 @@ from ..ops.focus.groups import FocusGroups
 from .common import (BACKWARD, DECODE, Settings, Timer, Verdict, add_bench_arguments, add_int_list, attend_row,
                      check_sampled_rows, choice_list, decode_inputs, dense_cells, dense_masked_attention, finish,
                      format_length, forward_backward, gate_cell, gradient_gate, make_qkv, markdown_row, number,
-                     parse_length, plot_modes, plot_ratio, refuse_above, row_fields, sample_rows, sdpa,
+                     parse_length, plot_modes, plot_ratio, Record, refuse_above, row_fields, sample_rows, sdpa,
                      settings_from_args, speedup_axis, speedups, sweep, table_header, time_dense)
 
 # The module's interface; parse_length, format_length and sample_rows live in .common and stay importable here.
@@ -92,7 +92,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The run's settings; exits, before anything is timed, on a top-k above a group count, a negative window,
+    or group sets the "combinations" spread cannot deal."""
     refuse_above("--top-k", args.top_k, "--groups", args.groups)
+    if args.window < 0:
+        raise SystemExit(f"--window: expected an int >= 0, got {args.window}")
+    too_many = [(k, top_k) for k in args.groups for top_k in args.top_k
+                if args.spread == "combinations" and math.comb(k, top_k) > MAX_COMBINATIONS]
+    if too_many:
+        k, top_k = too_many[0]
+        raise SystemExit(f"--spread: 'combinations' deals all C(K={k}, top-k={top_k}) = {math.comb(k, top_k)} group "
+                         f"sets, expected at most {MAX_COMBINATIONS} (fewer --groups, or --spread adjacent)")
     extra = args.backends or ()
     return BenchConfig(**settings_from_args(args), group_counts=args.groups, top_ks=args.top_k, window=args.window,
                        spread=args.spread,
@@ -248,6 +258,7 @@ class Bench(Timer):
         self.fns = {name: functools.partial(focus_ops.focus_attention, window=config.window, causal=True,
                                             backend=name or config.backend)
                     for name in (None, *config.extra_backends)}
+        self.custom = focus_fn is not None
         if focus_fn is not None:
             self.fns[None] = focus_fn
         self.focus_fn = self.fns[None]
@@ -266,20 +277,27 @@ class Bench(Timer):
         except ValueError as error:
             return "unavailable", str(error)
 
-    def backward_verdict(self, head_dim: int, num_groups: int, top_k: int,
-                         extra: Optional[str] = None) -> Optional[Verdict]:
-        """The gradient gate for this (D, K, top-k) of the configured backend (or ``extra``), run once at
-        ``backward_gate_length`` (or shorter). None when the Focus backward cannot run; its timing key is then
+    def backward_verdict(self, head_dim: int, num_groups: int, top_k: int, extra: Optional[str] = None,
+                         timed_backend: Optional[str] = None) -> Optional[Verdict]:
+        """The gradient gate for this (D, K, top-k) of the configured backend (or ``extra``), run once per backend
+        at ``backward_gate_length`` (or shorter). ``timed_backend``: the backend the timed call resolves to at its
+        own length (:meth:`backend_used`), forced here, where ``auto`` could pick another (dense SDPA below 8K)
+        and leave the timed backward unchecked. None when the Focus backward cannot run; its timing key is then
         marked failed, with the reason."""
         c = self.config
         length = min(c.backward_gate_length, max(c.lengths))
+        forceable = timed_backend in focus_ops.BACKENDS and timed_backend != "auto"
+        forced = timed_backend if forceable and not (self.custom and extra is None) else None
+        fn = self.fns[extra] if forced is None else functools.partial(
+            focus_ops.focus_attention, window=c.window, causal=True, backend=forced)
 
         def check() -> Verdict:
             q, k, v = make_qkv(c.heads, c.heads, length, length, head_dim, self.device, c.seed + 1)
             groups = balanced_groups(length, num_groups, top_k, seed=c.seed + 1, spread=c.spread).to(self.device)
-            return check_gradients(self.fns[extra], q, k, v, groups, c.window)
-        key = (head_dim, num_groups, top_k)
-        return self.gradient_verdict((extra, *key) if extra else key, (timing_label(extra), BACKWARD, *key), length,
+            verdict = check_gradients(fn, q, k, v, groups, c.window)
+            return replace(verdict, checked=f"{verdict.checked}, backend {forced}") if forced else verdict
+        key = (extra, forced, head_dim, num_groups, top_k)
+        return self.gradient_verdict(key, (timing_label(extra), BACKWARD, head_dim, num_groups, top_k), length,
                                      check)
 
 
@@ -349,7 +367,8 @@ def time_focus(bench: Bench, extra: Optional[str], mode: str, q, k, v, groups, n
         return fn(q_, k_, v_, FocusGroups.routed(groups, num_groups))
 
     if mode == BACKWARD:
-        checked = bench.backward_verdict(dim, num_groups, top_k, extra)
+        timed_backend, _ = bench.backend_used(q, k, groups, BACKWARD, extra)
+        checked = bench.backward_verdict(dim, num_groups, top_k, extra, timed_backend)
         return bench.time_backward(key, length, lambda: forward_backward(attn, q, k, v), checked), checked
     rows_checked = sample_rows(length, c.window, c.gate_rows, c.seed)
     return bench.time(key, length, lambda: functools.partial(attn, q, k, v), graphable=True,
@@ -377,10 +396,12 @@ def decode_rows(bench: Bench, cache_len: int, head_dim: int) -> list[dict]:
     return rows
 
 
-def run(config: BenchConfig, focus_fn: Optional[Callable] = None) -> list[dict]:
-    """Every row of the benchmark, printed as it completes. ``focus_fn(q, k, v, groups)`` replaces the Focus call
-    (default: focus_attention with the configured window and backend)."""
-    return sweep(Bench(config, focus_fn), TABLE_HEADER, prefill_rows, decode_rows)
+def run(config: BenchConfig, focus_fn: Optional[Callable] = None,
+        on_rows: Optional[Callable[[list], object]] = None) -> list[dict]:
+    """Every row of the benchmark, printed as it completes (and handed to ``on_rows``, :func:`.common.sweep`).
+    ``focus_fn(q, k, v, groups)`` replaces the Focus call (default: focus_attention with the configured window and
+    backend)."""
+    return sweep(Bench(config, focus_fn), TABLE_HEADER, prefill_rows, decode_rows, on_rows)
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
@@ -435,5 +456,5 @@ def _prototype_speedup(row: dict, dense: str) -> Optional[float]:
 def main(args: argparse.Namespace) -> int:
     """Runs ``sieve bench focus``; writes OUT/bench_focus.json and OUT/speedup_vs_length.png."""
     config = config_from_args(args)
-    return finish(config, run(config), args.out, "bench_focus.json", plot_speedups, "speedup_vs_length.png",
-                  method="focus")
+    record = Record(config, args.out, "bench_focus.json")
+    return finish(record, run(config, on_rows=record.write), plot_speedups, "speedup_vs_length.png", method="focus")

@@ -52,7 +52,8 @@ from ..ops.triton_common import choose_backend, kernel_blocker
 from .common import (BACKWARD, DECODE, DTYPE, FORWARD, Settings, Timer, Verdict, add_bench_arguments, add_int_list,
                      attend_row, check_sampled_rows, decode_inputs, dense_cells, dense_masked_attention, finish,
                      format_length, forward_backward, gate_cell, gradient_gate, make_qkv, markdown_row, number,
-                     plot_modes, plot_ratio, refuse_above, row_fields, sample_rows, sdpa, settings_from_args, skipped,
+                     plot_modes, plot_ratio, Record, refuse_above, row_fields, sample_rows, sdpa, settings_from_args,
+                     skipped,
                      speedup_axis, speedups, sweep, table_header, time_dense)
 
 BASELINES = ("cudnn", "flash", "cuda-core")
@@ -309,9 +310,9 @@ def decode_rows(bench: Bench, cache_len: int, head_dim: int) -> list[dict]:
     return rows
 
 
-def run(config: BenchConfig) -> list[dict]:
-    """Every row of the benchmark, printed as it completes."""
-    return sweep(Bench(config), TABLE_HEADER, prefill_rows, decode_rows)
+def run(config: BenchConfig, on_rows: Optional[Callable[[list], object]] = None) -> list[dict]:
+    """Every row of the benchmark, printed as it completes (and handed to ``on_rows``, :func:`.common.sweep`)."""
+    return sweep(Bench(config), TABLE_HEADER, prefill_rows, decode_rows, on_rows)
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
@@ -349,5 +350,6 @@ def _plot_mode(ax, rows: list[dict], mode: str) -> None:
 def main(args: argparse.Namespace) -> int:
     """Runs ``sieve bench sfa``; writes OUT/bench_sfa.json and OUT/sfa_speedup_vs_length.png."""
     config = config_from_args(args)
-    return finish(config, run(config), args.out, "bench_sfa.json", plot_speedups, "sfa_speedup_vs_length.png",
-                  method="sfa", kv_cache=cache_bytes(config.head_dims, config.top_ks))
+    record = Record(config, args.out, "bench_sfa.json", kv_cache=cache_bytes(config.head_dims, config.top_ks))
+    return finish(record, run(config, on_rows=record.write), plot_speedups, "sfa_speedup_vs_length.png",
+                  method="sfa")

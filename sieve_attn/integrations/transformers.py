@@ -321,15 +321,17 @@ def composed_configs(model: nn.Module) -> dict:
     return trained_configs(getattr(model, "sieve_config", None), getattr(model, "sieve_sfa_config", None))
 
 
-def load_adapter(model: nn.Module, directory) -> nn.Module:
+def load_adapter(model: nn.Module, directory, *, weights_digest: Optional[str] = None) -> nn.Module:
     """Loads an adapter saved by :func:`save_adapter`, composing ``model`` first when it is still plain (with the
     adapter's configs, its Focus mode and SFA backend included). A model already composed with the adapter's
     configs keeps its own mode and backends; one composed with another method besides (Focus and SFA, taking an SFA
-    adapter) keeps that method's state as it is.
+    adapter) keeps that method's state as it is. ``weights_digest``: that of the fine-tuned weights ``model``
+    holds (:func:`sieve_attn.train.finetune.load_weights` returns it), None for its own.
 
     Refuses, with a ValueError and before it changes the model, a model of another type, width or depth, one
-    composed with another config of a method the adapter holds, and tensors that do not fit the layers the configs
-    give this model.
+    composed with another config of a method the adapter holds, tensors that do not fit the layers the configs
+    give this model, and, for an adapter trained together with fine-tuned weights (it records their digest),
+    other weights than those.
     """
     saved = read_adapter_config(directory)
     if saved.get("format") != ADAPTER_FORMAT or saved.get("method") not in ("focus", "sfa", "focus+sfa"):
@@ -340,11 +342,18 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
     expected, actual = saved["base_model"], _model_signature(model)
     if expected != actual:
         fail("model", f"the model the adapter was trained on {expected}", actual)
+    trained_with = saved.get("weights_digest")
+    if trained_with is not None and weights_digest != trained_with:
+        fail("weights_digest", f"{trained_with}, that of the fine-tuned weights the adapter was trained with (load "
+                               f"them with sieve_attn.train.finetune.load_weights, which returns it)",
+             weights_digest or "None (the model's own weights)")
     composed, saved_configs = composed_configs(model), trained_configs(focus, sfa)
-    if is_composed(model) and any(config is not None and composed[method] != config
-                                  for method, config in saved_configs.items()):
-        fail("model", f"a model composed with the adapter's configs {focus}, {sfa}",
-             f"{model.sieve_config}, {model.sieve_sfa_config}")
+    if is_composed(model):
+        differ = [f"{method} " + ("not composed" if composed[method] is None else
+                                  f"with {_differences(config, composed[method])}")
+                  for method, config in saved_configs.items() if config is not None and composed[method] != config]
+        if differ:
+            fail("model", f"a model composed with the adapter's configs {focus}, {sfa}", "; ".join(differ))
     tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     check_tensors_fit("adapter", tensors, _added_state(model, focus, sfa),
                       "tensors named as this model's Focus and SFA layers")
@@ -357,6 +366,12 @@ def load_adapter(model: nn.Module, directory) -> nn.Module:
             set_focus_mode(model, focus.mode)
     model.load_state_dict(tensors, strict=False)
     return model
+
+
+def _differences(expected: dict, got: dict) -> str:
+    """"field got (adapter: expected), ..." of the fields whose values differ."""
+    return ", ".join(f"{name} {got.get(name)!r} (adapter: {expected.get(name)!r})"
+                     for name in sorted(set(expected) | set(got)) if expected.get(name) != got.get(name))
 
 
 def _added_state(model: nn.Module, focus: Optional[FocusConfig], sfa: Optional[SFAConfig]) -> dict:

@@ -26,6 +26,17 @@ def load_checkpoint(path) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True) if path.is_file() else None
 
 
+def sampled_digest(tensors: dict[str, torch.Tensor], samples: int = 4096) -> str:
+    """:func:`tensors_digest` of up to ``samples`` evenly spaced elements of each tensor: a fingerprint of a
+    model's weights that costs little at any size and tells apart weights that training changed broadly (a base
+    model and its fine-tunes), though not two that differ in a few elements only."""
+    sampled = {}
+    for name, tensor in tensors.items():
+        flat = tensor.detach().reshape(-1)
+        sampled[name] = flat[::max(1, flat.numel() // samples)][:samples]
+    return tensors_digest(sampled)
+
+
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     """"sha256:HEX" (16 hex digits) of named tensors: their names, shapes, dtypes and bytes, in order."""
     digest = hashlib.sha256()

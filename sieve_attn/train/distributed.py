@@ -176,6 +176,11 @@ class Runtime:
         """The mean over the processes of a scalar tensor."""
         return value.item()
 
+    def main_value(self, value):
+        """Rank 0's ``value`` (any picklable object), on every process: what only rank 0 can compute (under
+        FSDP's CPU-RAM-efficient loading the other ranks hold no weights yet)."""
+        return value
+
     def wait(self) -> None:
         """Returns once every process got here."""
 
@@ -233,6 +238,11 @@ class Distributed(Runtime):
         total = value.detach().float().reshape(1).clone()
         dist.all_reduce(total)
         return total.item() / self.world_size
+
+    def main_value(self, value):
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()

@@ -52,10 +52,10 @@ class FinetuneSettings(loop.TrainSettings):
     distill_weight: float = 0.0
     sparsity_weight: float = 0.0
 
-    def check(self) -> None:
+    def check(self, processes: int = 1) -> None:
         """:meth:`loop.TrainSettings.check`, and the weights numbers >= 0, ``topk_warmup`` an int >= 0 and
         ``mixed_precision`` one of :data:`MIXED_PRECISION`."""
-        super().check()
+        super().check(processes)
         for name in ("matching_weight", "distill_weight", "sparsity_weight"):
             weight = getattr(self, name)
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:

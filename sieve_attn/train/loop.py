@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._checks import check_int, check_positive_float, fail
+from . import distributed
 from .checkpoint import load_checkpoint, save_checkpoint, tensors_digest
 from .schedule import lr_at
 
@@ -39,9 +40,10 @@ class TrainSettings:
     micro_batch: int | None = None
     validate_every: int = 0
 
-    def check(self) -> None:
+    def check(self, processes: int = 1) -> None:
         """ValueError unless ``steps``, ``batch_size`` and ``checkpoint_every`` are ints >= 1, ``micro_batch`` None
-        or an int >= 1, ``warmup`` and ``validate_every`` ints >= 0 and ``lr`` a finite number > 0."""
+        or an int >= 1, ``warmup`` and ``validate_every`` ints >= 0, ``lr`` a finite number > 0, and the batch
+        splits evenly over ``processes`` and each process's share into micro-batches."""
         check_int("steps", self.steps, 1)
         check_int("batch_size", self.batch_size, 1)
         check_int("checkpoint_every", self.checkpoint_every, 1)
@@ -50,6 +52,13 @@ class TrainSettings:
         check_int("warmup", self.warmup, 0)
         check_int("validate_every", self.validate_every, 0)
         check_positive_float("lr", self.lr)
+        if self.batch_size % processes:
+            fail("batch_size", f"a multiple of the {processes} processes (each takes an equal share of every batch)",
+                 self.batch_size)
+        share = self.batch_size // processes
+        if share % (self.micro_batch or share):
+            fail("micro_batch", f"a divisor of each process's share of the batch ({share} windows)",
+                 self.micro_batch)
 
 
 @dataclass
@@ -91,20 +100,17 @@ class Job:
 
 
 def check_settings(windows: torch.Tensor, settings: TrainSettings) -> None:
-    """ValueError unless ``settings.check()`` passes and ``windows`` is token ids [N >= 1, T]."""
-    settings.check()
+    """ValueError unless ``settings.check()`` passes for the processes of this launch and ``windows`` is token ids
+    [N >= 1, T]."""
+    settings.check(distributed.processes())
     if windows.dim() != 2 or len(windows) == 0:
         fail("windows", "token ids [N >= 1, T]", tuple(windows.shape))
 
 
 def micro_batch_size(settings, runtime) -> int:
-    """Windows per forward on this process: ``settings.micro_batch``, or its whole share of a batch when None;
-    ValueError unless it divides the share."""
-    share = len(runtime.share(list(range(settings.batch_size))))
-    micro = settings.micro_batch or share
-    if share % micro:
-        fail("micro_batch", f"a divisor of each process's share of the batch ({share} windows)", micro)
-    return micro
+    """Windows per forward on this process: ``settings.micro_batch``, or its whole share of a batch when None
+    (:meth:`TrainSettings.check` with the processes has checked that it divides the share)."""
+    return settings.micro_batch or len(runtime.share(list(range(settings.batch_size))))
 
 
 def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, *, device, resume: bool,

@@ -12,7 +12,7 @@ from ..config import FocusConfig
 from ..integrations.transformers import (SFA_ATTR, adapter_state, composed_configs, focus_layers, is_composed,
                                           save_adapter, set_focus_mode)
 from . import distributed, loop
-from .checkpoint import tensors_digest
+from .checkpoint import sampled_digest, tensors_digest
 
 
 @dataclass
@@ -132,9 +132,14 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
                 "dtype": str(model.get_input_embeddings().weight.dtype)}  # the frozen base's
     if weights_digest is not None:
         identity["weights"] = weights_digest
-    frozen_parts = {k: v for k, v in adapter_state(model).items() if f".{SFA_ATTR}." in k}
+    added = adapter_state(model)
+    frozen_parts = {k: v for k, v in added.items() if f".{SFA_ATTR}." in k}
     if frozen_parts:  # read before placing: FSDP would shard them
         identity["sfa"] = tensors_digest(frozen_parts)
+    # The frozen base (another checkpoint of the same architecture would train the routers on two models). Only
+    # rank 0 holds its weights before placing under FSDP's CPU-RAM-efficient loading.
+    identity["base"] = runtime.main_value(sampled_digest(
+        {k: v for k, v in model.state_dict().items() if k not in added}) if runtime.is_main else None)
     runtime.place(model)
     trainable = _router_parameters(model)  # after placing: moving the routers may have replaced them
     inference_mode = model.sieve_config.mode

@@ -130,6 +130,17 @@ def test_adapter_round_trip_and_refusal(tmp_path):
         sa.load_adapter(other, tmp_path)
 
 
+def test_an_adapter_trained_with_fine_tuned_weights_asks_for_them(tmp_path):
+    model = sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4))
+    sa.save_adapter(model, tmp_path, weights_digest="sha256:0123456789abcdef")
+    for given in (None, "sha256:fedcba9876543210"):
+        with pytest.raises(ValueError, match="weights_digest: expected sha256:0123456789abcdef, that of the "
+                                             "fine-tuned weights the adapter was trained with"):
+            sa.load_adapter(tiny_model("llama"), tmp_path, weights_digest=given)
+    loaded = sa.load_adapter(tiny_model("llama"), tmp_path, weights_digest="sha256:0123456789abcdef")
+    assert loaded.sieve_sfa_config == model.sieve_sfa_config
+
+
 def test_an_sfa_adapter_fills_the_sfa_part_of_a_focus_and_sfa_model(tmp_path):
     """Focus retrofitted onto an SFA model starts from the SFA adapter: it loads into the SFA layers of a model
     composed with both and leaves the routers alone; a model without SFA, or with another SFA config, refuses it."""

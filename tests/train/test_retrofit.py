@@ -163,6 +163,15 @@ def test_resume_refuses_a_length_that_changes_the_learning_rates_of_the_steps_do
                  progress=False)
 
 
+def test_resume_refuses_another_frozen_base(tmp_path):
+    """Routers resumed on other weights of the same architecture would have trained on two models."""
+    retrofit(_composed(), _windows(), tmp_path, RetrofitSettings(steps=2, **SETTINGS), progress=False)
+    other = sa.compose(tiny_model("llama", seed=1), CONFIG)
+    with pytest.raises(ValueError, match="base: expected 'sha256:[0-9a-f]{16}', what .*checkpoint.pt was trained "
+                                         "with, got 'sha256:"):
+        retrofit(other, _windows(), tmp_path, RetrofitSettings(steps=4, **SETTINGS), resume=True, progress=False)
+
+
 def test_resume_refuses_another_jobs_checkpoint(tmp_path):
     from sieve_attn.train.finetune import FinetuneSettings, finetune
 
