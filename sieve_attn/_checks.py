@@ -183,3 +183,15 @@ def check_attention_call(q, k, v, *, attn_mask=None, out=None, value_checks: tup
     fail_where(nan_checks(q=q, k=k[:, :, new:], v=v[:, :, new:]) + list(value_checks))
     check_out(out, q)
     return check_attn_mask(attn_mask, q, k)
+
+
+def check_device_option(name: str) -> None:
+    """Exits unless ``name`` (--device) is the CPU or a CUDA device torch sees here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not (
+            torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())):
+        raise SystemExit(f"--device: expected cpu or a CUDA device torch sees ({torch.cuda.device_count()} here), "
+                         f"got {name!r}")

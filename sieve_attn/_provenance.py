@@ -4,9 +4,12 @@ installed package)."""
 from __future__ import annotations
 
 import hashlib
+import platform
 import subprocess
 from pathlib import Path
 from typing import Optional
+
+import torch
 
 
 def git_commit(short: bool = False) -> Optional[str]:
@@ -43,3 +46,24 @@ def source_digest(root: Optional[Path] = None) -> str:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return "sha256:" + digest.hexdigest()
+
+
+def environment(device="cpu") -> dict:
+    """What a recorded result ran on and with: ``device``'s name (the GPU's, or the CPU's), the versions of Python,
+    torch, Triton, transformers, CUDA and cuDNN (None where absent or unused), torch's CPU threads, whether float32
+    matmuls may use TF32, the commit and the source digest."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+
+    def version(module: str) -> Optional[str]:
+        try:
+            return __import__(module).__version__
+        except ImportError:
+            return None
+    return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+            "python": platform.python_version(), "torch": torch.__version__, "triton": version("triton"),
+            "transformers": version("transformers"), "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if cuda else None, "threads": torch.get_num_threads(),
+            # TF32 matmuls for float32 (torch.backends.cuda.matmul.allow_tf32, or TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1)
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "commit": git_commit(),
+            "source_digest": source_digest()}

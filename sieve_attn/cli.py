@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import sys
 import time
@@ -295,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup(args):
+    _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from .models import load_model
@@ -351,9 +353,12 @@ def _claim_out(args) -> None:
 
 
 def _windows(tokenizer, text, split: int, context: int, count):
+    """Token windows of ``text`` (:func:`_files`); exits, naming --train-text (split 0) or --eval-text (1), when
+    it holds fewer than ``context`` tokens."""
     from .data.text import token_windows
 
-    return token_windows(tokenizer, _files(text, split), context, count)
+    with _errors_of("--eval-text" if split else "--train-text"):
+        return token_windows(tokenizer, _files(text, split), context, count)
 
 
 def _focus_config(args):
@@ -365,8 +370,11 @@ def _focus_config(args):
 
 
 def _check_common_options(args) -> None:
-    """Exits unless --context, and where the command has them --eval-windows and --threads, are at least 1, and
-    --train-text and --eval-text name text that exists (listed, not read: cheap before the model loads)."""
+    """Exits unless --context and, where the command has them, --eval-windows and --threads are at least 1,
+    --train-text and --eval-text name text that exists (listed, not read) and --json a file this run can write:
+    cheap before the model loads."""
+    if getattr(args, "json", None) is not None:
+        _check_json_option(args.json)
     for option in ("context", "eval_windows", "threads"):
         value = getattr(args, option, None)
         if value is not None and value < 1:
@@ -377,6 +385,56 @@ def _check_common_options(args) -> None:
                 _files(getattr(args, option), split)
             except ValueError as error:
                 raise SystemExit(f"--{option.replace('_', '-')}: {str(error).partition(': ')[2]}") from None
+
+
+# A hub id: "name" or "owner/name" of letters, digits, "-", "_" and "." (transformers asks the hub for it).
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def _check_model_options(args) -> None:
+    """Exits unless --model is the default model, an existing folder, or reads as a hub id, and --device is one
+    torch can use: the last checks before the model loads."""
+    from ._checks import check_device_option
+    from .models import DEFAULT_MODEL
+
+    check_device_option(args.device)
+    model = args.model
+    path = Path(model).expanduser()
+    if model == DEFAULT_MODEL or path.is_dir():
+        return
+    if path.exists() or not _HUB_ID.fullmatch(model) or model.startswith("."):
+        raise SystemExit(f"--model: expected {DEFAULT_MODEL!r}, a folder of a transformers model or a hub id "
+                         f"(owner/name), got {model!r}" + ("" if path.exists() else " (no such folder)"))
+
+
+def _check_json_option(path: Path) -> None:
+    """Exits unless ``path`` (--json) is a file this run can write (its folder exists and is writable)."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise SystemExit(f"--json: expected a file path in a folder this run can write, got {str(path)!r}")
+
+
+@contextlib.contextmanager
+def _errors_of(option: str):
+    """Turns a ValueError from what ``option`` gave (an adapter folder, a text) into an exit under its name."""
+    try:
+        yield
+    except ValueError as error:
+        raise SystemExit(f"{option}: {error}") from None
+
+
+def _check_context(model, context: int) -> None:
+    """Exits when --context is longer than the model's learned position table (GPT-2's n_positions: positions past
+    it do not exist); warns past its max_position_embeddings (rotary positions it was not trained on)."""
+    text = model.config.get_text_config()
+    table = getattr(text, "n_positions", None)
+    if table is not None and context > table:
+        raise SystemExit(f"--context: expected at most {table} (the model's position table), got {context}")
+    trained = getattr(text, "max_position_embeddings", None)
+    if table is None and trained is not None and context > trained:
+        print(f"warning: --context {context} is past the {trained} positions the model was trained for",
+              file=sys.stderr)
 
 
 def _retrofit_settings(args):
@@ -434,7 +492,9 @@ def cmd_retrofit(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
+    _check_model_options(args)
     model, tokenizer = load_for_training(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    _check_context(model, args.context)
     weights = _load_checked_weights(model, args, saved)
     result = _train(model, tokenizer, args, config, settings, weights_digest=weights)
     if is_main():
@@ -444,13 +504,19 @@ def cmd_retrofit(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
-    from .eval.report import environment, evaluate_modes, format_table, write_json
-    from .integrations.transformers import load_adapter, read_adapter_config, reconfigure
+    from ._provenance import environment
+    from .eval.report import evaluate_modes, format_table, write_json
+    from .integrations.transformers import check_adapter, load_adapter, read_adapter_config, reconfigure
 
     _check_common_options(args)
-    saved = None if args.adapter is None else read_adapter_config(args.adapter)
+    with _errors_of("--adapter"):
+        saved = None if args.adapter is None else read_adapter_config(args.adapter)
     modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
     model, tokenizer, weights = _setup_with_weights(args, saved)
+    _check_context(model, args.context)
+    if saved is not None:
+        with _errors_of("--adapter"):  # before any scoring
+            check_adapter(model, args.adapter, weights_digest=weights)
     windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
     focus_config = sfa_config = None
@@ -464,9 +530,11 @@ def cmd_eval_ppl(args) -> int:
         sfa_config = None if model.sieve_sfa_config is None else model.sieve_sfa_config.to_dict()
         rows += evaluate_modes(model, windows, [m for m in modes if m != "dense"])
     print(format_table(rows))
-    record = {"model": args.model, "context": args.context, "windows": len(windows), "focus_config": focus_config,
-              "sfa_config": sfa_config, "weights": None if args.weights is None else str(args.weights),
-              "rows": rows, "environment": environment()}
+    record = {"model": args.model, "context": args.context, "eval_text": args.eval_text or "stdlib",
+              "windows": len(windows), "adapter": None if args.adapter is None else str(args.adapter),
+              "focus_config": focus_config, "sfa_config": sfa_config,
+              "weights": None if args.weights is None else str(args.weights), "rows": rows,
+              "environment": environment(args.device)}
     if args.json:
         print(f"wrote {write_json(record, args.json)}")
     return 0
@@ -505,15 +573,22 @@ def _load_checked_weights(model, args, saved: dict | None) -> str | None:
 
 def cmd_generate(args) -> int:
     from .eval.generate import generate
-    from .eval.report import environment, write_json
+    from ._provenance import environment
+    from .eval.report import write_json
     from .integrations.transformers import load_adapter, read_adapter_config
 
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens: expected at least 1, got {args.max_new_tokens}")
-    saved = None if args.adapter is None else read_adapter_config(args.adapter)
+    if not args.prompt:
+        raise SystemExit("--prompt: expected text to continue, got ''")
+    if args.json is not None:
+        _check_json_option(args.json)
+    with _errors_of("--adapter"):
+        saved = None if args.adapter is None else read_adapter_config(args.adapter)
     model, tokenizer, weights = _setup_with_weights(args, saved)
     if saved is not None:
-        load_adapter(model, args.adapter, weights_digest=weights)
+        with _errors_of("--adapter"):
+            load_adapter(model, args.adapter, weights_digest=weights)
     record = generate(model, tokenizer, args.prompt, args.max_new_tokens, check=args.check)
     mib = {name: f"{size / 2 ** 20:.2f}" for name, size in record["cache"].items() if name.endswith("_bytes")}
     print(f"{args.prompt}{record['text']}")
@@ -525,7 +600,7 @@ def cmd_generate(args) -> int:
     if args.json:
         record.update(model=args.model, adapter=None if args.adapter is None else str(args.adapter),
                       weights=None if args.weights is None else str(args.weights), prompt=args.prompt,
-                      environment=environment())
+                      environment=environment(args.device))
         print(f"wrote {write_json(record, args.json)}")
     return 1 if record["equals_recomputation"] is False else 0
 
@@ -551,6 +626,9 @@ def _eval_modes(args, saved: dict | None) -> list[str]:
                          f"got {','.join(modes)}")
     if args.top_k is not None and "focus" not in (method or ""):
         raise SystemExit(f"--top-k: Focus groups per token, for an adapter with Focus; got one of method {method!r}")
+    groups = None if saved is None or not saved.get("focus") else saved["focus"].get("num_groups")
+    if args.top_k is not None and groups is not None and not 1 <= args.top_k <= groups:
+        raise SystemExit(f"--top-k: expected an int in [1, {groups}] (the adapter's groups), got {args.top_k}")
     if args.sfa_backend is not None and "sfa" not in (method or ""):
         raise SystemExit(f"--sfa-backend: for an adapter with SFA; got one of method {method!r}")
     return modes
@@ -568,7 +646,8 @@ def _compose_saved(model, saved: dict, *, sfa_backend: str) -> None:
 
 def cmd_demo(args) -> int:
     from .eval.plots import plot_loss
-    from .eval.report import environment, evaluate_modes, format_table, router_parameter_count, write_json
+    from ._provenance import environment
+    from .eval.report import evaluate_modes, format_table, router_parameter_count, write_json
     from .train.distributed import processes
 
     started = time.time()
@@ -579,6 +658,7 @@ def cmd_demo(args) -> int:
     config, settings = _retrofit_settings(args)
     _claim_out(args)
     model, tokenizer = _setup(args)
+    _check_context(model, args.context)
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, held_out, ["dense"])
     result = _train(model, tokenizer, args, config, settings)
@@ -590,7 +670,7 @@ def cmd_demo(args) -> int:
               "focus_config": model.sieve_config.to_dict(), "train_steps": args.steps,
               "train_tokens": args.steps * args.batch_size * args.context, "router_parameters": params,
               "rows": rows, "loss_history": result["history"], "seconds": round(time.time() - started, 1),
-              "environment": environment()}
+              "environment": environment(args.device)}
     write_json(record, args.out / "results.json")
     (args.out / "results.md").write_text(table + "\n")
     plot_loss(result["history"], args.out / "loss.png")
@@ -648,7 +728,8 @@ def cmd_finetune(args) -> int:
     from . import SFAConfig, compose, save_adapter
     from .data.text import hold_back, token_windows
     from .eval.perplexity import perplexity
-    from .eval.report import environment, write_json
+    from ._provenance import environment
+    from .eval.report import write_json
     from .models import load_model
     from .train import distributed
     from .train.calibrate import calibrate_feature_maps
@@ -680,7 +761,9 @@ def cmd_finetune(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
+    _check_model_options(args)
     model, tokenizer = distributed.load_for_training(args.model, device=args.device)
+    _check_context(model, args.context)
     init = None  # the digest of the --init weights, which a resumed run must share
     if args.init is not None:  # before compose, so that the calibration below sees these weights
         init = load_weights(model, args.init, name="--init")
@@ -723,7 +806,7 @@ def cmd_finetune(args) -> int:
                   "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
                   "history": result["history"], "validation_windows": 0 if validation is None else len(validation),
                   "validations": result["validations"], "best_step": result["best_step"],
-                  "seconds": round(time.time() - started), "environment": environment()}
+                  "seconds": round(time.time() - started), "environment": environment(args.device)}
         write_json(record, args.out / "result.json")
         kept = "" if result["best_step"] is None else f" (weights of step {result['best_step']}, the best validation)"
         print(f"{args.method}{'' if args.method == 'dense' else f' top-{args.topk}'}: held-out PPL "

@@ -36,11 +36,31 @@ def test_focus_modes_need_an_adapter():
     ("sfa", ["--modes", "dense,soft"], "--modes: expected modes of dense, sfa for an adapter of method 'sfa'"),
     ("sfa", ["--top-k", "2"], "--top-k: Focus groups per token, for an adapter with Focus; got one of method 'sfa'"),
     ("focus", ["--sfa-backend", "reference"], "--sfa-backend: for an adapter with SFA; got one of method 'focus'"),
-    ("focus", ["--modes", "sfa"], "--modes: expected modes of dense, soft, hard for an adapter of method 'focus'")])
+    ("focus", ["--modes", "sfa"], "--modes: expected modes of dense, soft, hard for an adapter of method 'focus'"),
+    ("focus", ["--top-k", "5"], r"--top-k: expected an int in \[1, 4\] \(the adapter's groups\), got 5"),
+    ("nothing", [], "--adapter: expected an adapter of method focus, sfa or focus\\+sfa, got 'nothing'")])
 def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(tmp_path, method, argv, message):
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"format": 1, "method": method}))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"format": 1, "method": method,
+                                                              "focus": {"num_groups": 4}}))
     with pytest.raises(SystemExit, match=message):
         main(["eval", "ppl", "--model", str(tmp_path / "no model here"), "--adapter", str(tmp_path), *argv])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "ppl", "--adapter", "/no/such/adapter"], "--adapter: directory: expected an adapter folder holding "
+                                                      "adapter_config.json, got /no/such/adapter"),
+    (["eval", "ppl", "--json", "/"], "--json: expected a file path in a folder this run can write, got '/'"),
+    (["eval", "ppl", "--model", "/no/such/model"], "--model: expected 'smollm2-135m', a folder of a transformers "
+                                                   "model or a hub id \\(owner/name\\), got '/no/such/model' \\(no "
+                                                   "such folder\\)"),
+    (["eval", "ppl", "--device", "tpu"], "--device: expected cpu or a CUDA device torch sees"),
+    (["generate", "--prompt", ""], "--prompt: expected text to continue, got ''"),
+    (["generate", "--adapter", "/no/such/adapter"], "--adapter: directory: expected an adapter folder"),
+    (["generate", "--model", "../no/such/model"], "--model: expected 'smollm2-135m'"),
+])
+def test_eval_and_generate_refuse_bad_options_before_loading_the_model(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -88,9 +108,8 @@ def test_an_earlier_run_in_out_is_kept_unless_resumed_or_overwritten(tmp_path, c
     with pytest.raises(SystemExit, match="--out: expected a folder without an earlier run .*, got .* holding "
                                          "checkpoint.pt, adapter"):
         main(argv)
-    with pytest.raises(Exception) as failed:  # past the check, the missing model stops it
+    with pytest.raises(SystemExit, match="--model: expected"):  # past the check, the missing model stops it
         main([*argv, "--overwrite"])
-    assert not isinstance(failed.value, SystemExit)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 

@@ -24,7 +24,6 @@ import functools
 import json
 import math
 import os
-import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -33,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .._checks import skip_nan_checks
+from .._checks import check_device_option, skip_nan_checks
 from .._files import atomic_write
-from .._provenance import git_commit, source_digest
+from .._provenance import environment
 from .timing import WARMUP_S, graphed, measure
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -408,7 +407,7 @@ class Timer:
     ``max_call_s`` is skipped, and a method that failed (out of memory, unsupported) is not tried again."""
 
     def __init__(self, config: Settings):
-        _check_device(config.device)
+        check_device_option(config.device)
         self.config = config
         self.device = torch.device(config.device)
         self.last: dict[tuple, tuple[int, float]] = {}
@@ -525,18 +524,6 @@ def row_fields(mode: str, q, k, checked: Optional[Verdict]) -> dict:
             "gate": None if checked is None else asdict(checked)}
 
 
-def _check_device(name: str) -> None:
-    """Exits unless ``name`` (--device) is the CPU or a CUDA device torch sees here."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not (
-            torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())):
-        raise SystemExit(f"--device: expected cpu or a CUDA device torch sees ({torch.cuda.device_count()} here), "
-                         f"got {name!r}")
-
-
 def sweep(timer: Timer, header: str, prefill_rows: Callable, decode_rows: Callable,
           on_rows: Optional[Callable[[list], object]] = None) -> list[dict]:
     """Every row of a bench, printed as it completes: per head dim, the prefill rows at each length (forward, and
@@ -598,20 +585,6 @@ def gate_cell(correct: Optional[bool]) -> str:
     return {True: "ok", False: "FAIL", None: "-"}[correct]
 
 
-def environment(device: torch.device) -> dict:
-    """Device and software versions of this run."""
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    cuda = device.type == "cuda"
-    return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if cuda else None, "python": platform.python_version(),
-            "commit": git_commit(), "source_digest": source_digest()}
-
-
 def plot_modes(rows: list[dict], path: Path, draw: Callable) -> Path:
     """PNG with one panel per mode present in ``rows`` (forward, forward+backward, decode), drawn by
     ``draw(ax, rows of that mode, mode)``."""
@@ -668,7 +641,7 @@ class Record:
     an error or a kill mid-sweep keeps the rows measured."""
 
     def __init__(self, config: Settings, out: Path, json_name: str, **extra):
-        _check_device(config.device)
+        check_device_option(config.device)
         out = Path(out)
         try:
             out.mkdir(parents=True, exist_ok=True)

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import json
-import platform
 from pathlib import Path
 
 import torch
 
 from .._checks import fail
 from .._files import atomic_write
-from .._provenance import git_commit, source_digest
 from ..integrations.transformers import focus_layers, has_focus, is_composed, set_focus_mode
 from .perplexity import perplexity
 
@@ -60,17 +58,6 @@ def format_table(rows: list[dict]) -> str:
             "-" if row["pairs_attended"] is None else f"{100 * row['pairs_attended']:.1f}%")
         lines.append(f"| {row['mode']} | {row['ppl']:.3f} | {row['tokens']} | {pairs} |")
     return "\n".join(lines)
-
-
-def environment() -> dict:
-    import transformers
-
-    commit = git_commit(short=True)
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
-            "threads": torch.get_num_threads(), "commit": commit, "source_digest": source_digest(),
-            # TF32 matmuls for float32 (torch.backends.cuda.matmul.allow_tf32, or TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1)
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
 
 
 def write_json(record: dict, path) -> Path:

@@ -333,6 +333,24 @@ def load_adapter(model: nn.Module, directory, *, weights_digest: Optional[str] =
     give this model, and, for an adapter trained together with fine-tuned weights (it records their digest),
     other weights than those.
     """
+    focus, sfa, tensors = _checked_adapter(model, directory, weights_digest)
+    if not is_composed(model):
+        compose(model, *(c for c in (focus, sfa) if c is not None))
+        if focus is not None:
+            set_focus_mode(model, focus.mode)
+    model.load_state_dict(tensors, strict=False)
+    return model
+
+
+def check_adapter(model: nn.Module, directory, *, weights_digest: Optional[str] = None) -> None:
+    """ValueError where :func:`load_adapter` would refuse the adapter in ``directory`` for ``model`` (with
+    ``weights_digest``); ``model`` is left as it is."""
+    _checked_adapter(model, directory, weights_digest)
+
+
+def _checked_adapter(model: nn.Module, directory, weights_digest: Optional[str]):
+    """(FocusConfig or None, SFAConfig or None, tensors) of the adapter in ``directory``, checked against
+    ``model`` as :func:`load_adapter` says; ``model`` is not changed."""
     saved = read_adapter_config(directory)
     if saved.get("format") != ADAPTER_FORMAT or saved.get("method") not in ("focus", "sfa", "focus+sfa"):
         fail("adapter", f"format {ADAPTER_FORMAT} of method 'focus', 'sfa' or 'focus+sfa'",
@@ -360,12 +378,7 @@ def load_adapter(model: nn.Module, directory, *, weights_digest: Optional[str] =
     for name, tensor in tensors.items():  # the layers rank by them unchecked (SFALayer.map_queries)
         if name.endswith(".selection_weights") and not (torch.isfinite(tensor) & (tensor >= 0)).all():
             fail(f"adapter tensor {name}", "finite selection weights >= 0", "a negative, infinite or NaN value")
-    if not is_composed(model):
-        compose(model, *(c for c in (focus, sfa) if c is not None))
-        if focus is not None:
-            set_focus_mode(model, focus.mode)
-    model.load_state_dict(tensors, strict=False)
-    return model
+    return focus, sfa, tensors
 
 
 def _differences(expected: dict, got: dict) -> str:
