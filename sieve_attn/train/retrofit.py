@@ -100,6 +100,15 @@ def _train_step(model, trainable, optimizer, runtime, micro_batches: tuple[torch
     return (runtime.mean(total),)
 
 
+def _frozen_digests(model) -> dict:
+    """{"base": sampled digest of the model's own weights and buffers, "sfa": digest of its SFA parts (only where
+    composed)}."""
+    added = adapter_state(model)
+    sfa = {k: v for k, v in added.items() if f".{SFA_ATTR}." in k}
+    digests = {"base": sampled_digest({k: v for k, v in model.state_dict().items() if k not in added})}
+    return {**digests, "sfa": tensors_digest(sfa)} if sfa else digests
+
+
 def _restore(model, optimizer, state: dict) -> None:
     _load_routers(model, state["routers"])
     optimizer.load_state_dict(state["optimizer"])
@@ -132,14 +141,10 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
                 "dtype": str(model.get_input_embeddings().weight.dtype)}  # the frozen base's
     if weights_digest is not None:
         identity["weights"] = weights_digest
-    added = adapter_state(model)
-    frozen_parts = {k: v for k, v in added.items() if f".{SFA_ATTR}." in k}
-    if frozen_parts:  # read before placing: FSDP would shard them
-        identity["sfa"] = tensors_digest(frozen_parts)
-    # The frozen base (another checkpoint of the same architecture would train the routers on two models). Only
-    # rank 0 holds its weights before placing under FSDP's CPU-RAM-efficient loading.
-    identity["base"] = runtime.main_value(sampled_digest(
-        {k: v for k, v in model.state_dict().items() if k not in added}) if runtime.is_main else None)
+    # What stays frozen: the base (another checkpoint of the same architecture would train the routers on two
+    # models) and SFA's parts where composed. Read before placing (FSDP shards them), on rank 0, the only one
+    # holding weights then under FSDP's CPU-RAM-efficient loading.
+    identity.update(runtime.main_value(_frozen_digests(model) if runtime.is_main else None))
     runtime.place(model)
     trainable = _router_parameters(model)  # after placing: moving the routers may have replaced them
     inference_mode = model.sieve_config.mode

@@ -373,46 +373,56 @@ def test_rows_reordered_outside_beam_search_are_refused():
             model(ids[:, 8:], **{cache_keyword(model): cache})
 
 
-def _hand_built_hard_attention(hidden, window: int, top_k: int, sinks: int):
-    """An attention-interface function computing the hard Focus pattern from its definition, in float64, from the
-    router's parameters and the layer's input ``hidden[id(module)]``: token j is a member of the top_k groups of
-    rms(W h_j) C^T / tau + b (the sinks of every group); query i attends key j <= i when i - j <= window or they
-    share a group, and transformers' mask allows it."""
+def _hand_built_attention(hidden, window: int, sinks: int, top_k: int = None, gate: str = None, gate_lambda=10.0):
+    """An attention-interface function computing Focus from its definition, in float64, from the router's
+    parameters and the layer's input ``hidden[id(module)]``. The router's logits are rms(W h_j) C^T / tau + b. Hard
+    (``top_k``): token j is a member of its top_k groups (the sinks of every group); query i attends key j <= i when
+    i - j <= window or they share a group. Soft (``gate``): memberships softmax(logits) (the sinks' all ones), and
+    a pair outside the window adds log(a_ij + 1e-6) to its logit ("log") or multiplies it by sigmoid(gate_lambda
+    a_ij) ("multiplicative"), a_ij the dot product of the two memberships. Both within transformers' mask."""
     def attention(module, q, k, v, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None,
                   **kwargs):
         router = module.sieve_focus.router
         projected = hidden[id(module)].double() @ router.proj.weight.double().t()
         projected = projected / torch.sqrt(projected.pow(2).mean(-1, keepdim=True) + 1e-6)
         logits = projected @ router.centroids.double().t() / router.config.tau + router.group_bias.double()
-        member = torch.zeros(logits.shape, dtype=torch.bool).scatter_(-1, logits.topk(top_k, -1).indices, True)
-        member[:, :sinks] = True
         i, j = torch.arange(q.shape[2])[:, None], torch.arange(q.shape[2])[None]
-        shared = (member[:, :, None, :] & member[:, None, :, :]).any(-1)
-        allowed = (j <= i) & ((i - j <= window) | shared)
-        if attention_mask is not None:
-            allowed = allowed & attention_mask[:, 0]
+        local = (j <= i) & (i - j <= window)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
         scores = q.double() @ k.transpose(-1, -2) * (scaling or q.shape[-1] ** -0.5)
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
+        allowed = (j <= i)[None].expand(q.shape[0], -1, -1)
+        if top_k is not None:
+            member = torch.zeros(logits.shape, dtype=torch.bool).scatter_(-1, logits.topk(top_k, -1).indices, True)
+            member[:, :sinks] = True
+            shared = (member[:, :, None, :] & member[:, None, :, :]).any(-1)
+            allowed = allowed & (local | shared)
+        else:
+            assign = logits.softmax(-1)
+            assign[:, :sinks] = 1.0
+            affinity = (assign @ assign.transpose(-1, -2))[:, None]
+            gated = scores + torch.log(affinity + 1e-6) if gate == "log" else \
+                scores * torch.sigmoid(gate_lambda * affinity)
+            scores = torch.where(local, scores, gated)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, 0]
         out = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1) @ v
         return out.to(q.dtype).transpose(1, 2).contiguous(), None
     return attention
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral", "gpt2"])
-def test_hard_pattern_is_the_routers_groups_sinks_and_window(arch):
-    """The composed model in hard mode against attention built by hand from the definition (not the package's
-    code): biased routers, top-2 of 4 groups, window 3, one sink."""
+def _against_hand_built(model, config, attention):
+    """Logits of ``model`` composed with ``config`` (biased routers) and of the same model through ``attention``
+    (:func:`_hand_built_attention`'s function of the hidden states it is given)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    model = tiny_model(arch)
     torch.manual_seed(0)
-    sa.compose(model, sa.FocusConfig(num_groups=4, window=3, top_k=2, sink_tokens=1, mode="hard"))
+    sa.compose(model, config)
     for layer in focus_layers(model):
-        layer.router.group_bias.copy_(torch.randn(4) * 5)
+        layer.router.group_bias.copy_(torch.randn(config.num_groups) * 5)
     ids = random_ids(2, SEQ, seed=3)
     got = _logits(model, ids)
     hidden = {}
@@ -420,10 +430,30 @@ def test_hard_pattern_is_the_routers_groups_sinks_and_window(arch):
         module.register_forward_pre_hook(
             lambda m, args, kwargs: hidden.__setitem__(id(m), kwargs.get("hidden_states", args[0] if args else None)),
             with_kwargs=True)
-    AttentionInterface.register("sieve_test_hard", _hand_built_hard_attention(hidden, window=3, top_k=2, sinks=1))
-    AttentionMaskInterface.register("sieve_test_hard", sdpa_mask)
-    model.set_attn_implementation("sieve_test_hard")
-    torch.testing.assert_close(got, _logits(model, ids), rtol=0, atol=2e-5)
+    AttentionInterface.register("sieve_test_hand_built", attention(hidden))
+    AttentionMaskInterface.register("sieve_test_hand_built", sdpa_mask)
+    model.set_attn_implementation("sieve_test_hand_built")
+    return got, _logits(model, ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral", "gpt2"])
+def test_hard_pattern_is_the_routers_groups_sinks_and_window(arch):
+    """The composed model in hard mode against attention built by hand from the definition (not the package's
+    code): biased routers, top-2 of 4 groups, window 3, one sink."""
+    config = sa.FocusConfig(num_groups=4, window=3, top_k=2, sink_tokens=1, mode="hard")
+    got, expected = _against_hand_built(tiny_model(arch), config, lambda hidden: _hand_built_attention(
+        hidden, window=3, sinks=1, top_k=2))
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch, gate", [("llama", "log"), ("mistral", "multiplicative"), ("gpt2", "log")])
+def test_soft_gate_is_the_memberships_affinity_outside_the_window(arch, gate):
+    """Soft mode against the gate built by hand from its definition: causal memberships softmax(logits + b),
+    the sink's all ones, pairs past the window gated by the dot product of the two memberships."""
+    config = sa.FocusConfig(num_groups=4, window=3, sink_tokens=1, gate=gate, gate_lambda=6.0, mode="soft")
+    got, expected = _against_hand_built(tiny_model(arch), config, lambda hidden: _hand_built_attention(
+        hidden, window=3, sinks=1, gate=gate, gate_lambda=6.0))
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
 
 
 def test_a_model_cast_after_compose_routes_in_float32_as_one_cast_before():
