@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import sieve_attn as sa
-from sieve_attn.eval.report import environment
+from sieve_attn._provenance import environment
 from sieve_attn.train.checkpoint import load_checkpoint
 from sieve_attn.train.finetune import FinetuneSettings, finetune
 from sieve_attn.train.loop import CHECKPOINT
@@ -73,7 +73,7 @@ def main() -> int:
     args = parser.parse_args()
     if not 0 <= args.warm_steps < args.steps:
         parser.error(f"--warm-steps: expected 0 <= it < --steps ({args.steps}), got {args.warm_steps}")
-    setting = environment()  # before the rows switch TF32 on and off (each row records its own)
+    setting = environment(args.device)  # before the rows switch TF32 on and off (each row records its own)
     rows = [time_steps(method, precision, args) for method in ("dense", "sfa") for precision in PRECISIONS]
     args.out.write_text(json.dumps({"environment": setting, "batch_size": args.batch_size,
                                     "context": args.context, "topk": args.topk, "rows": rows}, indent=1))

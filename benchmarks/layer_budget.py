@@ -15,7 +15,7 @@ from pathlib import Path
 import sieve_attn as sa
 from sieve_attn.data.text import stdlib_split, token_windows
 from sieve_attn.eval.perplexity import perplexity
-from sieve_attn.eval.report import environment
+from sieve_attn._provenance import environment
 from sieve_attn.integrations.transformers import focus_layers
 from sieve_attn.models import load_model
 

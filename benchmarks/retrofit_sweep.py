@@ -23,7 +23,8 @@ import torch
 
 import sieve_attn as sa
 from sieve_attn.data.text import GPL3, stdlib_split, token_windows
-from sieve_attn.eval.report import environment, evaluate_modes
+from sieve_attn._provenance import environment
+from sieve_attn.eval.report import evaluate_modes
 from sieve_attn.models import load_model
 from sieve_attn.train.retrofit import RetrofitSettings, retrofit
 
@@ -113,7 +114,7 @@ def main():
                   flush=True)
         record["seconds"] = round(time.time() - started, 1)
         print(name, "seconds", record["seconds"], flush=True)
-        record["environment"] = environment()
+        record["environment"] = environment(args.device)
         (args.out / f"{name}.json").write_text(json.dumps(record, indent=2))
         del model
     plot(args.out)

@@ -20,7 +20,8 @@ import torch
 import sieve_attn as sa
 from sieve_attn.cli import _windows
 from sieve_attn.eval.perplexity import perplexity
-from sieve_attn.eval.report import environment, write_json
+from sieve_attn._provenance import environment
+from sieve_attn.eval.report import write_json
 from sieve_attn.models import load_model
 
 
@@ -56,7 +57,7 @@ def main() -> int:
                      "ppl": score(model, held_out, label)})
     args.out.mkdir(parents=True, exist_ok=True)
     write_json({"model": "SmolLM2-135M", "context": args.context, "held_out_windows": len(held_out),
-                "calibration_windows": len(calibration), "rows": rows, "environment": environment()},
+                "calibration_windows": len(calibration), "rows": rows, "environment": environment(args.device)},
                args.out / "zero_shot.json")
     plot(rows, args.out / "zero_shot.png")
     return 0

@@ -153,11 +153,13 @@ def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
 
 
 def check_bool(name: str, value) -> bool:
-    """``value`` if it is True or False; anything else is refused rather than read by its truth ("no" would be
-    True, None False)."""
-    if not isinstance(value, bool):
+    """``value`` as a bool when it is one (Python's, numpy's or a 0-d bool tensor); anything else is refused rather
+    than read by its truth ("no" would be True, None False)."""
+    is_bool = isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or (  # numpy 2, numpy 1
+        isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0)
+    if not is_bool:
         fail(name, "True or False", repr(value))
-    return value
+    return bool(value)
 
 
 def check_out(out, q: torch.Tensor) -> None:

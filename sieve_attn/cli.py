@@ -325,10 +325,15 @@ def _files(text, split: int) -> list:
 RUN_FILES = ("checkpoint.pt", "adapter", "model.safetensors", "result.json", "results.json")
 
 
+def _earlier_run(out: Path) -> list[str]:
+    """The files of an earlier run in ``out`` (:data:`RUN_FILES`, best-weights files)."""
+    return [name for name in RUN_FILES if (out / name).exists()] + sorted(p.name for p in out.glob("best-*"))
+
+
 def _claim_out(args) -> None:
-    """Creates --out; exits when it cannot be written, or holds an earlier run (:data:`RUN_FILES`, best-weights
-    files) and neither --resume (continue it) nor --overwrite (delete those files first, which it then does) was
-    given."""
+    """Creates --out; exits when it cannot be written, or holds an earlier run (:func:`_earlier_run`) and neither
+    --resume (continue it) nor --overwrite (replace it: :func:`_clear_earlier_run` deletes its files once the
+    model has loaded and every option passed) was given."""
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -336,18 +341,24 @@ def _claim_out(args) -> None:
         raise SystemExit(f"--out: expected a folder this run can write, got {str(out)!r} ({error.strerror})") from None
     if not os.access(out, os.W_OK):
         raise SystemExit(f"--out: expected a folder this run can write, got {str(out)!r} (not writable)")
-    found = [name for name in RUN_FILES if (out / name).exists()] + sorted(p.name for p in out.glob("best-*"))
+    found = _earlier_run(out)
     if args.resume and args.overwrite:
         raise SystemExit("--resume, --overwrite: expected one of them (continue the run in --out, or replace it), "
                          "got both")
     if args.resume and not (out / "checkpoint.pt").is_file():
         print(f"--resume: no checkpoint in {str(out)!r}; starting from step 0", file=sys.stderr)
-    if not found or args.resume:
-        return
-    if not args.overwrite:
+    if found and not args.resume and not args.overwrite:
         raise SystemExit(f"--out: expected a folder without an earlier run (--resume continues it, --overwrite "
                          f"replaces it), got {str(out)!r} holding {', '.join(found)}")
-    for name in found:
+
+
+def _clear_earlier_run(args) -> None:
+    """With --overwrite, deletes the earlier run's files in --out (:func:`_earlier_run`): called last before a
+    training job starts, so that a command refused on the way leaves them."""
+    out = Path(args.out)
+    if not args.overwrite:
+        return
+    for name in _earlier_run(out):
         path = out / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
@@ -400,6 +411,8 @@ def _check_model_options(args) -> None:
     check_device_option(args.device)
     model = args.model
     path = Path(model).expanduser()
+    if path.is_dir() and model != DEFAULT_MODEL:
+        args.model = str(path)  # "~/models/x" quoted past the shell: transformers would read it as a hub id
     if model == DEFAULT_MODEL or path.is_dir():
         return
     if path.exists() or not _HUB_ID.fullmatch(model) or model.startswith("."):
@@ -408,9 +421,10 @@ def _check_model_options(args) -> None:
 
 
 def _check_json_option(path: Path) -> None:
-    """Exits unless ``path`` (--json) is a file this run can write (its folder exists and is writable)."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
+    """Exits unless ``path`` (--json) is a file this run can write: not a folder, and its nearest existing folder
+    writable (the missing ones are created when the file is written)."""
+    path = Path(path).absolute()
+    folder = next((parent for parent in path.parents if parent.exists()), path)
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
         raise SystemExit(f"--json: expected a file path in a folder this run can write, got {str(path)!r}")
 
@@ -425,16 +439,17 @@ def _errors_of(option: str):
 
 
 def _check_context(model, context: int) -> None:
-    """Exits when --context is longer than the model's learned position table (GPT-2's n_positions: positions past
-    it do not exist); warns past its max_position_embeddings (rotary positions it was not trained on)."""
+    """Exits when --context is longer than the positions the model knows and it learned a table of them (an
+    embedding besides the tokens', as GPT-2's and OPT's: positions past it do not exist); warns where it has none
+    (rotary or ALiBi positions: they exist, untrained)."""
     text = model.config.get_text_config()
-    table = getattr(text, "n_positions", None)
-    if table is not None and context > table:
-        raise SystemExit(f"--context: expected at most {table} (the model's position table), got {context}")
-    trained = getattr(text, "max_position_embeddings", None)
-    if table is None and trained is not None and context > trained:
-        print(f"warning: --context {context} is past the {trained} positions the model was trained for",
-              file=sys.stderr)
+    known = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None)
+    if known is None or context <= known:
+        return
+    tokens = model.get_input_embeddings()
+    if any(isinstance(m, torch.nn.Embedding) and m is not tokens for m in model.modules()):
+        raise SystemExit(f"--context: expected at most {known} (the model's learned positions), got {context}")
+    print(f"warning: --context {context} is past the {known} positions the model was trained for", file=sys.stderr)
 
 
 def _retrofit_settings(args):
@@ -470,32 +485,38 @@ def _train(model, tokenizer, args, config, settings, weights_digest: str | None 
     if sfa_adapter is None:
         compose(model, config)
     else:
-        compose(model, config, SFAConfig.from_dict(read_adapter_config(sfa_adapter)["sfa"]))
-        # the SFA layers' maps and selection weights; the routers stay as drawn
-        load_adapter(model, sfa_adapter, weights_digest=weights_digest)
+        with _errors_of("--sfa-adapter"):
+            compose(model, config, SFAConfig.from_dict(read_adapter_config(sfa_adapter)["sfa"]))
+            # the SFA layers' maps and selection weights; the routers stay as drawn
+            load_adapter(model, sfa_adapter, weights_digest=weights_digest)
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
+    _clear_earlier_run(args)
     return retrofit(model, windows, args.out, settings, resume=args.resume, weights_digest=weights_digest)
 
 
 def cmd_retrofit(args) -> int:
-    from .integrations.transformers import read_adapter_config
+    from .integrations.transformers import check_adapter, read_adapter_config
     from .train.distributed import finish, is_main, load_for_training
 
     _check_common_options(args)
     config, settings = _retrofit_settings(args)
-    saved = None if args.sfa_adapter is None else read_adapter_config(args.sfa_adapter)
+    with _errors_of("--sfa-adapter"):
+        saved = None if args.sfa_adapter is None else read_adapter_config(args.sfa_adapter)
     if saved is not None and saved.get("method") != "sfa":
         raise SystemExit(f"--sfa-adapter: expected an adapter of `sieve finetune --method sfa`, got one of method "
                          f"{saved.get('method')!r}")
     _check_weights_given(args, saved)
     _claim_out(args)
+    _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
-    _check_model_options(args)
     model, tokenizer = load_for_training(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     _check_context(model, args.context)
     weights = _load_checked_weights(model, args, saved)
+    if saved is not None:
+        with _errors_of("--sfa-adapter"):
+            check_adapter(model, args.sfa_adapter, weights_digest=weights)
     result = _train(model, tokenizer, args, config, settings, weights_digest=weights)
     if is_main():
         print(f"adapter saved to {result['adapter']}; final loss {result['history'][-1][1]:.4f}")
@@ -657,6 +678,7 @@ def cmd_demo(args) -> int:
     _check_common_options(args)
     config, settings = _retrofit_settings(args)
     _claim_out(args)
+    _check_model_options(args)
     model, tokenizer = _setup(args)
     _check_context(model, args.context)
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
@@ -758,10 +780,10 @@ def cmd_finetune(args) -> int:
         sfa = SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped,
                         selection=args.selection) if args.method == "sfa" else None
     _claim_out(args)
+    _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Under a launcher this joins the process group first, then places the model for this rank (or for FSDP).
-    _check_model_options(args)
     model, tokenizer = distributed.load_for_training(args.model, device=args.device)
     _check_context(model, args.context)
     init = None  # the digest of the --init weights, which a resumed run must share
@@ -787,6 +809,7 @@ def cmd_finetune(args) -> int:
         uncalibrated = perplexity(model, held_out, desc="uncalibrated", progress=runtime.is_main)["ppl"]
         calibrate_feature_maps(model, calibration, progress=runtime.is_main)
     before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
+    _clear_earlier_run(args)
     result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
                       resume=args.resume, init=init)
     del teacher  # its device memory, before the final scores

@@ -1,5 +1,6 @@
 """The `sieve` command line: help texts, retrofit -> eval ppl end to end on the real default model, and runs that
 repeat exactly."""
+import argparse
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sieve_attn.cli import _retrofit_settings, _train, build_parser, main
+from sieve_attn.cli import _clear_earlier_run, _retrofit_settings, _train, build_parser, main
 from sieve_attn.integrations.transformers import adapter_state
 from tests.models import VOCAB, tiny_model
 
@@ -108,8 +109,10 @@ def test_an_earlier_run_in_out_is_kept_unless_resumed_or_overwritten(tmp_path, c
     with pytest.raises(SystemExit, match="--out: expected a folder without an earlier run .*, got .* holding "
                                          "checkpoint.pt, adapter"):
         main(argv)
-    with pytest.raises(SystemExit, match="--model: expected"):  # past the check, the missing model stops it
+    with pytest.raises(SystemExit, match="--model: expected"):  # refused on the way: the earlier run stays
         main([*argv, "--overwrite"])
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoint.pt", "notes.txt"]
+    _clear_earlier_run(argparse.Namespace(out=out, overwrite=True))  # what a run that starts training does first
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
@@ -208,3 +211,15 @@ def test_train_text_takes_several_paths_in_order_and_stdlib_for_the_training_spl
     assert _files(tmp_path / "a.txt", 0) == [tmp_path / "a.txt"]  # a Path, as a caller of the function may pass
     with pytest.raises(ValueError, match="text: expected an existing file or folder"):
         _files(["stdlib", str(tmp_path / "missing")], 0)
+
+
+def test_json_may_go_to_a_folder_yet_to_be_made_and_a_home_relative_model_folder_is_expanded(tmp_path, monkeypatch):
+    from sieve_attn.cli import _check_model_options
+
+    with pytest.raises(SystemExit, match="--model: expected"):  # --json passed: the missing model stops it
+        main(["eval", "ppl", "--json", str(tmp_path / "new" / "ppl.json"), "--model", str(tmp_path / "no model")])
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    args = argparse.Namespace(model="~/models/tiny", device="cpu")
+    _check_model_options(args)
+    assert args.model == str(tmp_path / "models" / "tiny")

@@ -141,6 +141,8 @@ GOOD_CALLS = {
     "soft multiplicative": soft(gate="multiplicative", gate_lambda=3),
     "soft sink row of ones": soft(assign=_with(assign(), (slice(None), 0), 1.0)),
     "soft one token": lambda: focus_soft_attention(*qkv(tq=1, tk=1), assign(1)),
+    "causal a numpy bool": hard(causal=__import__("numpy").False_),
+    "causal a 0-d bool tensor": hard(causal=torch.tensor(True)),
 }
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import sieve_attn as sa
 from sieve_attn.cli import _windows
 from sieve_attn.eval.perplexity import perplexity
-from sieve_attn.eval.report import environment
+from sieve_attn._provenance import environment
 from sieve_attn.models import load_model
 from sieve_attn.nn import sfa_layer
 from sieve_attn.ops.sfa.codes import sparsify
