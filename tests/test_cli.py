@@ -223,3 +223,13 @@ def test_json_may_go_to_a_folder_yet_to_be_made_and_a_home_relative_model_folder
     args = argparse.Namespace(model="~/models/tiny", device="cpu")
     _check_model_options(args)
     assert args.model == str(tmp_path / "models" / "tiny")
+
+
+def test_context_past_a_learned_position_table_is_refused_and_past_rotary_training_warned(capsys):
+    from sieve_attn.cli import _check_context
+
+    with pytest.raises(SystemExit, match="--context: expected at most 256 \\(the model's learned positions\\), got 257"):
+        _check_context(tiny_model("gpt2"), 257)
+    _check_context(tiny_model("gpt2"), 256)
+    _check_context(tiny_model("llama"), 257)  # rotary: the positions exist, untrained
+    assert "warning: --context 257 is past the 256 positions the model was trained for" in capsys.readouterr().err
