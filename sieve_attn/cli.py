@@ -507,6 +507,7 @@ def cmd_retrofit(args) -> int:
                          f"{saved.get('method')!r}")
     _check_weights_given(args, saved)
     _claim_out(args)
+    _check_resumable(args, settings, "retrofit")
     _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -678,7 +679,7 @@ def cmd_demo(args) -> int:
     _check_common_options(args)
     config, settings = _retrofit_settings(args)
     _claim_out(args)
-    _check_model_options(args)
+    _check_resumable(args, settings, "retrofit")
     model, tokenizer = _setup(args)
     _check_context(model, args.context)
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
@@ -729,7 +730,18 @@ def _errors_named_by_flag():
         yield
     except ValueError as error:
         name, sep, rest = str(error).partition(": ")
+        name = {"out_dir": "out"}.get(name, name)  # the Python argument behind --out
         raise SystemExit(f"--{name.replace('_', '-')}: {rest}" if sep and name.isidentifier() else error) from None
+
+
+def _check_resumable(args, settings, job: str) -> None:
+    """With --resume, exits (naming the option) when the checkpoint in --out cannot be continued with these
+    settings or is another job's: before the model loads (:func:`sieve_attn.train.loop.check_resume_settings`)."""
+    from .train.loop import check_resume_settings
+
+    if args.resume:
+        with _errors_named_by_flag():
+            check_resume_settings(args.out, settings, job)
 
 
 def _distill_weight(args) -> float:
@@ -780,6 +792,7 @@ def cmd_finetune(args) -> int:
         sfa = SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped,
                         selection=args.selection) if args.method == "sfa" else None
     _claim_out(args)
+    _check_resumable(args, settings, "finetune")
     _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)

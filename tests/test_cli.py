@@ -233,3 +233,23 @@ def test_context_past_a_learned_position_table_is_refused_and_past_rotary_traini
     _check_context(tiny_model("gpt2"), 256)
     _check_context(tiny_model("llama"), 257)  # rotary: the positions exist, untrained
     assert "warning: --context 257 is past the 256 positions the model was trained for" in capsys.readouterr().err
+
+
+def test_resume_with_settings_the_checkpoint_cannot_continue_is_refused_before_the_model_loads(tmp_path):
+    from dataclasses import asdict
+
+    from sieve_attn.train.checkpoint import save_checkpoint
+    from sieve_attn.train.retrofit import RetrofitSettings
+
+    out = tmp_path / "run"
+    out.mkdir()
+    save_checkpoint({"job": "retrofit", "step": 3, "settings": asdict(RetrofitSettings(lr=0.01))},
+                    out / "checkpoint.pt")
+    common = ["--model", str(tmp_path / "no model here"), "--out", str(out), "--resume"]
+    with pytest.raises(SystemExit, match="--lr: expected 0.01, the value in .*checkpoint.pt"):
+        main(["retrofit", *common, "--lr", "0.02"])
+    with pytest.raises(SystemExit, match="--out: expected a folder whose checkpoint a finetune run wrote, got "
+                                         ".*checkpoint.pt, written by retrofit"):
+        main(["finetune", *common])
+    with pytest.raises(SystemExit, match="--model: expected"):  # settings that continue it: on to the model
+        main(["retrofit", *common, "--lr", "0.01"])

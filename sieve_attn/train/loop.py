@@ -217,6 +217,30 @@ def _check_length(settings, saved_steps: int, done: int, path: Path) -> None:
                       f"{settings.warmup} steps)", settings.steps)
 
 
+def _check_settings_continue(state: dict, settings, path: Path) -> None:
+    """ValueError unless ``settings`` may continue the checkpoint ``state`` (read from ``path``): the same values
+    outside :data:`RESUMABLE_CHANGES`, and a length its steps can be continued to (:func:`_check_length`)."""
+    saved = state.get("settings", {})
+    for name, value in asdict(settings).items():
+        if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value:
+            fail(name, f"{saved[name]!r}, the value in {path} (a resumed run may change only "
+                       f"{', '.join(RESUMABLE_CHANGES)}; start a new run in another directory to change it)", value)
+    _check_length(settings, saved.get("steps", settings.steps), state["step"], path)
+
+
+def check_resume_settings(out_dir, settings, job_name: str) -> None:
+    """ValueError when the checkpoint in ``out_dir`` (none: nothing to check) is another job's than
+    ``job_name`` or cannot be continued with ``settings``: what resuming would refuse, told before a model
+    loads. The model, the text and the job's identity are checked when the run resumes."""
+    path = Path(out_dir) / CHECKPOINT
+    state = load_checkpoint(path)
+    if state is None:
+        return
+    if state.get("job", job_name) != job_name:
+        fail("out_dir", f"a folder whose checkpoint a {job_name} run wrote", f"{path}, written by {state['job']}")
+    _check_settings_continue(state, settings, path)
+
+
 def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list, list, list]:
     """(first step to train, history, step seconds and validations so far) from the checkpoint at ``path``, its
     state restored; (0, [], [], []) without one. ValueError, before anything is restored, when the job's
@@ -235,12 +259,7 @@ def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list,
     if state.get("windows", trained_on) != trained_on:
         fail("windows", f"the token windows {path} trained on ({state['windows']}: the same text, context and "
                         f"number of windows; the sieve commands take --steps x --batch-size of them)", trained_on)
-    saved = state.get("settings", {})
-    for name, value in asdict(settings).items():
-        if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value:
-            fail(name, f"{saved[name]!r}, the value in {path} (a resumed run may change only "
-                       f"{', '.join(RESUMABLE_CHANGES)}; start a new run in another directory to change it)", value)
-    _check_length(settings, saved.get("steps", settings.steps), state["step"], path)
+    _check_settings_continue(state, settings, path)
     job.restore(state)
     return (state["step"], state["history"], state.get("step_seconds", [None] * state["step"]),
             state.get("validations", []))
