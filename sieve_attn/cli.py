@@ -44,7 +44,7 @@ def _focus_args(parser: argparse.ArgumentParser, **defaults) -> None:
     group.add_argument("--sinkhorn-iters", type=int, default=d.sinkhorn_iters, help=f"({d.sinkhorn_iters})")
     group.add_argument("--gate", choices=("log", "multiplicative"), default=d.gate, help=f"training gate ({d.gate})")
     group.add_argument("--sink-tokens", type=int, default=d.sink_tokens,
-                       help=f"first positions that join every group ({d.sink_tokens})")
+                       help=f"first tokens of a sequence that join every group ({d.sink_tokens})")
     group.add_argument("--train-routing", choices=("sinkhorn", "causal"), default=d.train_routing,
                        help=f"memberships in training: Sinkhorn over the sequence (the paper) or the causal "
                             f"inference routing ({d.train_routing})")

@@ -35,7 +35,8 @@ class FocusConfig(_Serialisable):
     0 <= i - j <= w always attend. top_k: groups each token keeps at inference. tau: temperature of the router
     logits (applied once). sinkhorn_iters: Sinkhorn iterations in training. gate: soft gate used in training,
     "log" or "multiplicative" (DESIGN.md, decision 2). gate_lambda: lambda of the multiplicative gate.
-    sink_tokens: the first positions of every sequence join every group (pretrained models park attention there).
+    sink_tokens: the first tokens of every sequence join every group (pretrained models park attention there); in a
+    left-padded batch, each row's first real tokens.
     bias_momentum: running-average momentum of the causal group biases taken from the Sinkhorn potentials.
     train_routing: memberships the soft gate uses in mode "train": "sinkhorn" (the paper; sees the whole sequence)
     or "causal" (the inference routing, softmax of logits + group biases; strictly causal).

@@ -56,8 +56,6 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         attention_mask = attention_mask == 0  # additive float mask: 0 where attended
     key, value, attention_mask = _filled_slots(key, value, attention_mask, getattr(module, START_ATTR, None),
                                                query.shape[2])
-    if focus is not None:
-        _check_sinks_unpadded(focus, attention_mask, getattr(module, START_ATTR, None))
     if torch.is_autocast_enabled(query.device.type):
         # As SDPA under autocast does: attention in the autocast dtype. transformers' RoPE hands back q and k in
         # float32 there (its cos and sin are float32) beside the projection's bfloat16 v, which our ops refuse.
@@ -67,17 +65,6 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
     kwargs = dict(attn_mask=attention_mask, scale=scaling, softcap=softcap)
     out = sfa.attend(query, key, value, focus=focus, **kwargs) if sfa else focus.attend(query, key, value, **kwargs)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _check_sinks_unpadded(focus: FocusLayer, attention_mask, start: Optional[int]) -> None:
-    """ValueError for a left-padded batch under sink tokens: the sinks are each row's first slots, which padding
-    holds, so a padded row would lose its sinks and its outputs differ from the row's alone (docs/decisions.md,
-    decision 5). Checked on a sequence's first pass (one host synchronisation), where a padded row's first slot
-    is masked for its own query."""
-    if not start and attention_mask is not None and focus.config.mode != "dense" and focus.config.sink_tokens and \
-            not bool(attention_mask[:, :, 0, 0].all()):
-        fail("sink_tokens", "0 for a left-padded batch (sinks are the first slots of each row, which padding "
-                            "holds), or a batch without padding", focus.config.sink_tokens)
 
 
 def _filled_slots(key, value, attention_mask, start: Optional[int], q_len: int):

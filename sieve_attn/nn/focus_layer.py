@@ -14,7 +14,7 @@ from ..ops.blockwise import blockwise_attention
 from ..ops.focus.attention import focus_attention, focus_soft_attention
 from ..ops.focus.groups import FocusGroups
 from ..ops.focus.reference import count_attended_pairs
-from ..ops.focus.routing import causal_log_assign, hard_groups, with_sinks_soft
+from ..ops.focus.routing import causal_log_assign, hard_groups, sink_positions, with_sinks_soft
 from .router import FocusRouter
 
 
@@ -81,7 +81,8 @@ class FocusLayer(nn.Module):
         routing = past.routing
         routing = routing.rows(indices) if isinstance(routing, FocusGroups) else \
             routing.index_select(0, indices.to(routing.device))
-        self._past[cache] = _Routed(routing, None if rows is None else rows(), past.length)
+        sink_starts = None if past.sink_starts is None else [past.sink_starts[i] for i in indices.tolist()]
+        self._past[cache] = _Routed(routing, None if rows is None else rows(), past.length, sink_starts)
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] for the current mode (queries aligned to the end of the keys)."""
@@ -96,19 +97,22 @@ class FocusLayer(nn.Module):
         logits = pending.logits
         q_len, k_len = q.shape[2], k.shape[2]
         start = k_len - q_len if pending.start is None else pending.start
+        sink_starts = self._sink_starts(pending, start, attn_mask, q_len, k_len)
+        sinks = sink_positions(logits.shape[0], start, q_len, cfg.sink_tokens, logits.device, sink_starts)
         if cfg.mode == "train":
             causal = cfg.train_routing == "causal"
             if k_len != q_len and not causal:
                 raise RuntimeError("Focus mode 'train' routes with Sinkhorn over the whole sequence and cannot "
                                    "extend a KV cache; use mode 'soft' or 'hard' to generate")
-            current = with_sinks_soft(self.router.training_assign(logits, causal), start, cfg.sink_tokens)
-            assign = self._routing_of_keys(current, start, k_len, pending)
+            current = with_sinks_soft(self.router.training_assign(logits, causal), sinks)
+            assign = self._routing_of_keys(current, start, k_len, pending, sink_starts)
         elif cfg.mode == "soft":
-            current = with_sinks_soft(causal_log_assign(logits, self.router.group_bias).exp(), start, cfg.sink_tokens)
-            assign = self._routing_of_keys(current, start, k_len, pending)
+            current = with_sinks_soft(causal_log_assign(logits, self.router.group_bias).exp(), sinks)
+            assign = self._routing_of_keys(current, start, k_len, pending, sink_starts)
         else:
-            ids = hard_groups(logits, self.router.group_bias, cfg.top_k, start, cfg.sink_tokens)
-            groups = self._routing_of_keys(FocusGroups.routed(ids, cfg.num_groups), start, k_len, pending)
+            ids = hard_groups(logits, self.router.group_bias, cfg.top_k, sinks)
+            groups = self._routing_of_keys(FocusGroups.routed(ids, cfg.num_groups), start, k_len, pending,
+                                           sink_starts)
             if self.count_pairs:
                 attended, candidates = count_attended_pairs(groups.ids, cfg.window, q_len=q_len)
                 self.pair_counts[0] += attended
@@ -118,11 +122,28 @@ class FocusLayer(nn.Module):
         return focus_soft_attention(q, k, v, assign, window=cfg.window, gate=cfg.gate, gate_lambda=cfg.gate_lambda,
                                     scale=scale, softcap=softcap, attn_mask=attn_mask)
 
-    def _routing_of_keys(self, current, start: int, k_len: int, this_pass: "_Pass"):
+    def _sink_starts(self, this_pass: "_Pass", start: int, attn_mask, q_len: int, k_len: int) -> Optional[list]:
+        """Each row's first real position (the sinks start there), None where every row starts at 0: kept with
+        the cache's routing after the sequence's first pass, read there from ``attn_mask`` (a row's first slot
+        whose token attends itself: left padding masks the pads'), one host read per sequence."""
+        if not self.config.sink_tokens:
+            return None
+        past = None if not start or this_pass.cache is None else self._past.get(this_pass.cache)
+        if past is not None:
+            return past.sink_starts
+        if attn_mask is None or start:
+            return None
+        positions = torch.arange(q_len, device=attn_mask.device)
+        attends_itself = attn_mask[:, 0, positions, positions + (k_len - q_len)]  # [B or 1, Tq]
+        starts = attends_itself.int().argmax(-1).tolist()  # a row of pads only: 0
+        return starts if any(starts) else None
+
+    def _routing_of_keys(self, current, start: int, k_len: int, this_pass: "_Pass", sink_starts: Optional[list]):
         """Routing of the keys present, given the routing ``current`` of the new tokens at absolute positions
         start.. : soft memberships [B, Tq, K] or hard :class:`FocusGroups`. The keys are the last k_len of the
         sequence: a sliding-window cache keeps only the most recent tokens, so routing is remembered for the whole
-        sequence (per cache: ``this_pass.cache``) and sliced by absolute position."""
+        sequence (per cache: ``this_pass.cache``, with the rows' ``sink_starts``) and sliced by absolute
+        position."""
         history = current
         if start:
             past = None if this_pass.cache is None else self._past.get(this_pass.cache)
@@ -147,7 +168,7 @@ class FocusLayer(nn.Module):
         if this_pass.cache is not None:
             rows = None if this_pass.rows is None else this_pass.rows()  # after this pass appended its tokens
             kept = history if isinstance(history, FocusGroups) else history.detach()
-            self._past[this_pass.cache] = _Routed(kept, rows, start + _length(current))
+            self._past[this_pass.cache] = _Routed(kept, rows, start + _length(current), sink_starts)
         return history.last(k_len) if isinstance(history, FocusGroups) else history[:, history.shape[1] - k_len:]
 
 
@@ -169,11 +190,13 @@ class _Pass:
 
 @dataclass
 class _Routed:
-    """The routing of the tokens a cache holds (``length`` of them) and its rows token when it was written."""
+    """The routing of the tokens a cache holds (``length`` of them), its rows token when it was written, and each
+    row's first real position (None: 0 for every row)."""
 
     routing: object
     rows: object
     length: int
+    sink_starts: Optional[list] = None
 
 
 def _length(routing) -> int:

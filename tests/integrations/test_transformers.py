@@ -193,21 +193,23 @@ def _left_padded(long: torch.Tensor, short: torch.Tensor):
     return ids, mask, position_ids, pad
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_left_padding_matches_unpadded(arch, mode):
-    """With sink_tokens=0 the pattern of a sequence depends on relative positions and its own tokens only, so
-    left padding (masked, with position ids that skip it) gives each real position the logits it has alone."""
+def test_left_padding_matches_unpadded(arch, mode, sinks):
+    """The pattern of a sequence depends on relative positions and its own tokens only (its sinks are its own
+    first tokens, wherever padding puts them), so left padding (masked, with position ids that skip it) gives
+    each real position the logits it has alone."""
     model = tiny_model(arch)
     torch.manual_seed(0)
-    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=0, mode=mode))
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=sinks, mode=mode))
     long, short = random_ids(1, SEQ, seed=3), random_ids(1, SEQ - 12, seed=4)
     ids, mask, position_ids, pad = _left_padded(long, short)
     batched = _logits(model, ids, attention_mask=mask, position_ids=position_ids)
     assert torch.isfinite(batched).all()
     torch.testing.assert_close(batched[1, pad:], _logits(model, short)[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(batched[0], _logits(model, long)[0], rtol=0, atol=1e-5)
-    if mode == "hard":
+    if mode == "hard" and not sinks:
         attended, candidates = _pair_fraction(model, short)
         # truly sparse, and the groups matter: more than the window's pairs in each layer (no sinks here)
         assert 2 * _local_pairs(1, short.shape[1], 4) < attended < 0.9 * candidates
@@ -215,16 +217,13 @@ def test_left_padding_matches_unpadded(arch, mode):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_left_padding_degenerate_equals_original(arch):
-    """Without sinks the degenerate pattern equals the original model on a left-padded batch at every real
-    position. With sinks (the first slots, here padding) a padded batch is refused, naming sink_tokens."""
+    """The degenerate pattern (every group) equals the original model on a left-padded batch at every real
+    position, sinks and all."""
     model = tiny_model(arch)
     reference = eager_copy(model)
     torch.manual_seed(0)
     sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=4))
     ids, mask, position_ids, pad = _left_padded(random_ids(1, SEQ, seed=3), random_ids(1, SEQ - 12, seed=4))
-    with pytest.raises(ValueError, match="sink_tokens: expected 0 for a left-padded batch"):
-        _logits(model, ids, attention_mask=mask, position_ids=position_ids)
-    sa.reconfigure(model, sink_tokens=0)
     got = _logits(model, ids, attention_mask=mask, position_ids=position_ids)
     expected = _logits(reference, ids, attention_mask=mask, position_ids=position_ids)
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-5)
@@ -360,6 +359,23 @@ def test_beam_search_routes_each_beam_with_its_own_groups(mode, with_sfa, cache)
     assert len({tuple(row.tolist()) for row in cached.sequences[:3, prompt.shape[1]:]}) == 3
 
 
+def test_beam_search_over_a_left_padded_batch_keeps_each_rows_sinks():
+    """The rows' first real positions (where their sinks start) follow the beams too: the padded prompt's beams
+    and scores are those it gets alone, and those of recomputing every step."""
+    torch.manual_seed(0)
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=2, top_k=1, sink_tokens=2))
+    ids, mask, _, pad = _left_padded(random_ids(1, 14, seed=3), random_ids(1, 9, seed=4))
+    settings = dict(max_new_tokens=8, num_beams=3, num_return_sequences=3, do_sample=False, length_penalty=0.0,
+                    return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        cached = model.generate(ids, attention_mask=mask, **settings)
+        recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+        alone = model.generate(ids[1:, pad:], attention_mask=mask[1:, pad:], **settings)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    assert torch.equal(cached.sequences[3:, pad:], alone.sequences)
+    torch.testing.assert_close(cached.sequences_scores[3:], alone.sequences_scores, rtol=0, atol=1e-5)
+
+
 def test_rows_reordered_outside_beam_search_are_refused():
     """Rows reordered other than through the model's ``_reorder_cache`` leave the kept routing behind: refused."""
     model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=2, top_k=1))
@@ -492,14 +508,15 @@ def test_static_cache_generation_equals_recomputation(arch, configs):
     assert torch.equal(out.sequences, greedy_recompute(model, prompt, new))
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "mistral"])
-def test_left_padded_generation_equals_unpadded(arch, mode):
-    """Batched greedy generation of a left-padded batch (sink_tokens=0) gives the shorter prompt the tokens and
-    per-step logits it gets alone: padding, position ids and the KV cache together."""
+def test_left_padded_generation_equals_unpadded(arch, mode, sinks):
+    """Batched greedy generation of a left-padded batch gives the shorter prompt the tokens and per-step logits it
+    gets alone: padding, position ids, the KV cache and the sinks (its own first tokens) together."""
     model = tiny_model(arch)
     torch.manual_seed(0)
-    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=0, mode=mode))
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=sinks, mode=mode))
     ids, mask, _, pad = _left_padded(random_ids(1, 20, seed=3), random_ids(1, 14, seed=4))
     kwargs = dict(max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():

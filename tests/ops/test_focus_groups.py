@@ -176,10 +176,10 @@ def test_decode_checks_only_new_tokens_for_nan_and_refuses_them():
 def test_routed_groups_equal_validated_ones_without_reading_them_on_the_host(monkeypatch):
     """FocusGroups.routed takes the router's hard_groups output (sink rows listing every group, the others their
     top-k) as FocusGroups.of would validate it, bit sets included, without one host read of the values."""
-    from sieve_attn.ops.focus.routing import hard_groups
+    from sieve_attn.ops.focus.routing import hard_groups, sink_positions
 
     logits = torch.randn(2, 9, 5, generator=torch.Generator().manual_seed(0))
-    ids = hard_groups(logits, torch.zeros(5), top_k=2, first_position=0, sink_tokens=1)
+    ids = hard_groups(logits, torch.zeros(5), top_k=2, sinks=sink_positions(2, 0, 9, 1, "cpu"))
     validated = FocusGroups.of(ids, 2, 9, ids.device)
 
     def host_read(*args, **kwargs):

@@ -6,7 +6,7 @@ import torch
 
 from sieve_attn import focus_attention
 from sieve_attn.ops.focus.reference import count_attended_pairs
-from sieve_attn.ops.focus.routing import causal_log_assign, hard_groups, sinkhorn, with_sinks_soft
+from sieve_attn.ops.focus.routing import causal_log_assign, hard_groups, sink_positions, sinkhorn, with_sinks_soft
 
 F64 = torch.float64
 
@@ -109,7 +109,7 @@ def test_hard_groups(first_position, sink_tokens, expected_sinks):
     batch, length, num_groups, top_k = 2, 10, 6, 2
     logits = torch.randn(batch, length, num_groups)
     bias = torch.randn(num_groups)
-    ids = hard_groups(logits, bias, top_k, first_position, sink_tokens)
+    ids = hard_groups(logits, bias, top_k, sink_positions(batch, first_position, length, sink_tokens, "cpu"))
     width = num_groups if expected_sinks else top_k
     assert ids.shape == (batch, length, width)
     if expected_sinks:
@@ -127,7 +127,7 @@ def test_hard_groups(first_position, sink_tokens, expected_sinks):
 def test_hard_groups_top_k_equals_num_groups():
     torch.manual_seed(5)
     logits = torch.randn(2, 7, 4)
-    ids = hard_groups(logits, torch.zeros(4), 4, 0, 3)
+    ids = hard_groups(logits, torch.zeros(4), 4, sink_positions(2, 0, 7, 3, "cpu"))
     assert ids.shape == (2, 7, 4)
     assert torch.equal(ids.sort(dim=-1).values, torch.arange(4).expand(2, 7, 4))
 
@@ -137,10 +137,25 @@ def test_hard_groups_top_k_equals_num_groups():
 def test_with_sinks_soft(first_position, sink_tokens, expected_sinks):
     torch.manual_seed(6)
     assign = torch.softmax(torch.randn(2, 10, 4), dim=-1)
-    got = with_sinks_soft(assign, first_position, sink_tokens)
+    got = with_sinks_soft(assign, sink_positions(2, first_position, 10, sink_tokens, "cpu"))
     assert got.shape == assign.shape
     assert torch.all(got[:, :expected_sinks] == 1)
     assert torch.equal(got[:, expected_sinks:], assign[:, expected_sinks:])
+
+
+@pytest.mark.parametrize("first_position, expected", [
+    (0, [[False, False, True, True, False, False], [True, True, False, False, False, False]]),
+    (3, [[True, False, False], [False, False, False]]),
+    (4, None)])
+def test_sinks_start_at_each_rows_first_real_position(first_position, expected):
+    """Row 0 left-padded by 2 slots: its 2 sinks are positions 2 and 3; row 1's are 0 and 1. A chunk past every
+    sink has none (None: no tensor work)."""
+    length = 6 - first_position if first_position < 4 else 2
+    got = sink_positions(2, first_position, length, 2, "cpu", sink_starts=[2, 0])
+    assert (got is None) if expected is None else torch.equal(got, torch.tensor(expected))
+    if got is not None:
+        ids = hard_groups(torch.randn(2, length, 5), torch.zeros(5), 1, got)
+        assert torch.equal((ids >= 0).sum(-1) == 5, got)  # sinks list every group, the others one
 
 
 # ----------------------------------------------------------------------------------------------------------------

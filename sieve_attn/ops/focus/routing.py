@@ -9,10 +9,13 @@ Router logits are L [B, T, K] = (W_g h) C^T / tau (tau applied once). Three read
   training while a token's membership depends on nothing but itself (DESIGN.md, decision 1).
 - causal hard: the top-k groups of L + b.
 
-Sink tokens (the first ``sink_tokens`` positions of a sequence, which pretrained models use as attention sinks) are
-members of every group: a row of ones in the soft forms, all K ids in the hard form.
+Sink tokens (the first ``sink_tokens`` tokens of a sequence, which pretrained models use as attention sinks) are
+members of every group: a row of ones in the soft forms, all K ids in the hard form. A row of a batch may start
+later than position 0 (left padding): ``sink_starts`` gives each row's first real position.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -43,26 +46,35 @@ def causal_log_assign(logits: torch.Tensor, group_bias: torch.Tensor) -> torch.T
     return torch.log_softmax(logits.float() + group_bias.float(), dim=-1)
 
 
-def with_sinks_soft(assign: torch.Tensor, first_position: int, sink_tokens: int) -> torch.Tensor:
-    """assign [B, T, K] for positions first_position.. ; rows of sink positions become all ones."""
-    sinks = sink_tokens - first_position
-    if sinks <= 0:
-        return assign
-    sinks = min(sinks, assign.shape[1])
-    return torch.cat([torch.ones_like(assign[:, :sinks]), assign[:, sinks:]], dim=1)
+def sink_positions(batch: int, first_position: int, length: int, sink_tokens: int, device,
+                   sink_starts: Optional[list[int]] = None) -> Optional[torch.Tensor]:
+    """[B, T] bool: which of positions first_position .. first_position + T - 1 are sinks, the ``sink_tokens`` from
+    each row's first real position (``sink_starts[b]``; 0 for every row when None); None where none is (no tensor
+    work: decided on the host)."""
+    starts = [0] * batch if sink_starts is None else sink_starts
+    if not any(start < first_position + length and start + sink_tokens > first_position for start in starts):
+        return None
+    positions = torch.arange(first_position, first_position + length, device=device)
+    starts = torch.tensor(starts, device=device)[:, None]
+    return (positions >= starts) & (positions < starts + sink_tokens)
 
 
-def hard_groups(logits: torch.Tensor, group_bias: torch.Tensor, top_k: int, first_position: int,
-                sink_tokens: int) -> torch.Tensor:
-    """Top-k group ids [B, T, m] of logits [B, T, K] + group_bias, for positions first_position.. .
+def with_sinks_soft(assign: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """assign [B, T, K] with the rows of ``sinks`` ([B, T] bool, :func:`sink_positions`; None: none) all ones."""
+    return assign if sinks is None else torch.where(sinks[..., None], torch.ones_like(assign), assign)
 
-    m = top_k, or K when a sink position is among them (sink rows list every group, the other rows pad with -1).
+
+def hard_groups(logits: torch.Tensor, group_bias: torch.Tensor, top_k: int,
+                sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Top-k group ids [B, T, m] of logits [B, T, K] + group_bias; ``sinks`` [B, T] bool marks sink tokens
+    (:func:`sink_positions`; None: none).
+
+    m = top_k, or K when a sink is among them (sink rows list every group, the other rows pad with -1).
     """
     num_groups = logits.shape[-1]
     ids = torch.topk(logits.float() + group_bias.float(), top_k, dim=-1).indices
-    sinks = min(sink_tokens - first_position, logits.shape[1])
-    if sinks <= 0 or top_k == num_groups:
+    if sinks is None or top_k == num_groups:
         return ids
     padded = torch.cat([ids, ids.new_full((*ids.shape[:2], num_groups - top_k), -1)], dim=-1)
-    every_group = torch.arange(num_groups, device=ids.device).expand(ids.shape[0], sinks, num_groups)
-    return torch.cat([every_group, padded[:, sinks:]], dim=1)
+    every_group = torch.arange(num_groups, device=ids.device).expand_as(padded)
+    return torch.where(sinks[..., None], every_group, padded)
