@@ -136,6 +136,7 @@ class FocusLayer(nn.Module):
         positions = torch.arange(q_len, device=attn_mask.device)
         attends_itself = attn_mask[:, 0, positions, positions + (k_len - q_len)]  # [B or 1, Tq]
         starts = attends_itself.int().argmax(-1).tolist()  # a row of pads only: 0
+        starts = starts * (this_pass.logits.shape[0] // len(starts))  # a mask shared by the rows: one per row
         return starts if any(starts) else None
 
     def _routing_of_keys(self, current, start: int, k_len: int, this_pass: "_Pass", sink_starts: Optional[list]):
