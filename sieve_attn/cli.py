@@ -411,9 +411,10 @@ def _check_model_options(args) -> None:
     check_device_option(args.device)
     model = args.model
     path = Path(model).expanduser()
-    if path.is_dir() and model != DEFAULT_MODEL:
+    if model == DEFAULT_MODEL:
+        return
+    if path.is_dir():
         args.model = str(path)  # "~/models/x" quoted past the shell: transformers would read it as a hub id
-    if model == DEFAULT_MODEL or path.is_dir():
         return
     if path.exists() or not _HUB_ID.fullmatch(model) or model.startswith("."):
         raise SystemExit(f"--model: expected {DEFAULT_MODEL!r}, a folder of a transformers model or a hub id "
@@ -495,7 +496,7 @@ def _train(model, tokenizer, args, config, settings, weights_digest: str | None 
 
 
 def cmd_retrofit(args) -> int:
-    from .integrations.transformers import check_adapter, read_adapter_config
+    from .integrations.transformers import read_adapter_config
     from .train.distributed import finish, is_main, load_for_training
 
     _check_common_options(args)
@@ -515,9 +516,6 @@ def cmd_retrofit(args) -> int:
     model, tokenizer = load_for_training(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     _check_context(model, args.context)
     weights = _load_checked_weights(model, args, saved)
-    if saved is not None:
-        with _errors_of("--sfa-adapter"):
-            check_adapter(model, args.sfa_adapter, weights_digest=weights)
     result = _train(model, tokenizer, args, config, settings, weights_digest=weights)
     if is_main():
         print(f"adapter saved to {result['adapter']}; final loss {result['history'][-1][1]:.4f}")
