@@ -36,10 +36,11 @@ class FocusConfig(_Serialisable):
     logits (applied once). sinkhorn_iters: Sinkhorn iterations in training. gate: soft gate used in training,
     "log" or "multiplicative" (DESIGN.md, decision 2). gate_lambda: lambda of the multiplicative gate.
     sink_tokens: the first tokens of every sequence join every group (pretrained models park attention there); in a
-    left-padded batch, each row's first real tokens.
+    left-padded batch, each row's first real tokens; in a row of packed sequences (position ids that restart, which
+    transformers turns into a block-diagonal mask), each sequence's first tokens.
     bias_momentum: running-average momentum of the causal group biases taken from the Sinkhorn potentials.
-    train_routing: memberships the soft gate uses in mode "train": "sinkhorn" (the paper; sees the whole sequence)
-    or "causal" (the inference routing, softmax of logits + group biases; strictly causal).
+    train_routing: memberships the soft gate uses in mode "train": "sinkhorn" (the paper; sees the whole sequence,
+    with packing the whole row) or "causal" (the inference routing, softmax of logits + group biases; strictly causal).
     mode: what the composed attention computes: "train" (Sinkhorn + soft gate, sees the whole sequence),
     "soft" (causal routing + soft gate), "hard" (causal top-k groups, the sparse pattern), "dense" (router off).
     backend: how the hard pattern is computed (:func:`sieve_attn.focus_attention`'s ``backend``; "auto" picks the

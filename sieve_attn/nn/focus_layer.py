@@ -14,7 +14,7 @@ from ..ops.blockwise import blockwise_attention
 from ..ops.focus.attention import focus_attention, focus_soft_attention
 from ..ops.focus.groups import FocusGroups
 from ..ops.focus.reference import count_attended_pairs
-from ..ops.focus.routing import causal_log_assign, hard_groups, sink_positions, with_sinks_soft
+from ..ops.focus.routing import causal_log_assign, document_starts, hard_groups, sink_positions, with_sinks_soft
 from .router import FocusRouter
 
 
@@ -123,21 +123,22 @@ class FocusLayer(nn.Module):
                                     scale=scale, softcap=softcap, attn_mask=attn_mask)
 
     def _sink_starts(self, this_pass: "_Pass", start: int, attn_mask, q_len: int, k_len: int) -> Optional[list]:
-        """Each row's first real position (the sinks start there), None where every row starts at 0: kept with
-        the cache's routing after the sequence's first pass, read there from ``attn_mask`` (a row's first slot
-        whose token attends itself: left padding masks the pads'), one host read per sequence."""
+        """Each row's document starts (the sinks start there; :func:`~sieve_attn.ops.focus.routing.document_starts`),
+        None where every row has one, at 0: those of the tokens before this pass (kept with the cache's routing)
+        and those ``attn_mask`` shows in this pass when it holds more than one token, one host read per such pass.
+        A one-token pass (a decode step) continues its row's last document."""
         if not self.config.sink_tokens:
             return None
         past = None if not start or this_pass.cache is None else self._past.get(this_pass.cache)
-        if past is not None:
-            return past.sink_starts
-        if attn_mask is None or start:
-            return None
-        positions = torch.arange(q_len, device=attn_mask.device)
-        attends_itself = attn_mask[:, 0, positions, positions + (k_len - q_len)]  # [B or 1, Tq]
-        starts = attends_itself.int().argmax(-1).tolist()  # a row of pads only: 0
-        starts = starts * (this_pass.logits.shape[0] // len(starts))  # a mask shared by the rows: one per row
-        return starts if any(starts) else None
+        earlier = None if past is None else past.sink_starts
+        if attn_mask is None or q_len == 1:
+            return earlier
+        batch = this_pass.logits.shape[0]
+        found = document_starts(attn_mask, start, k_len)
+        found = found * (batch // len(found))  # a mask shared by the rows: the same starts in each
+        if start:
+            found = [before + now for before, now in zip(earlier or [[0]] * batch, found)]
+        return None if all(row == [0] for row in found) else found
 
     def _routing_of_keys(self, current, start: int, k_len: int, this_pass: "_Pass", sink_starts: Optional[list]):
         """Routing of the keys present, given the routing ``current`` of the new tokens at absolute positions

@@ -230,6 +230,26 @@ def test_left_padding_degenerate_equals_original(arch):
     torch.testing.assert_close(got[1, pad:], expected[1, pad:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("sfa", [False, True])
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_sequences_match_each_alone(arch, mode, sinks, sfa):
+    """Sequences packed into one row with restarting position ids (as transformers' DataCollatorWithFlattening
+    packs them; transformers then masks across them) give each token the logits it has in its sequence alone:
+    each sequence's sinks are its own first tokens, not the row's."""
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    configs = [sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=sinks, mode=mode)]
+    sa.compose(model, *configs, *([sa.SFAConfig(topk=4)] if sfa else []))
+    lengths = (SEQ - 19, 7, 12)
+    parts = [random_ids(1, length, seed=10 + i) for i, length in enumerate(lengths)]
+    position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
+    packed = _logits(model, torch.cat(parts, dim=1), position_ids=position_ids)
+    alone = torch.cat([_logits(model, part) for part in parts], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+
+
 # 4. Causality.
 
 def _future_changed(ids: torch.Tensor, last: int = 5) -> torch.Tensor:

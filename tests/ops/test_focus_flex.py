@@ -25,6 +25,14 @@ def test_matches_reference(case):
     check_against_reference(case, FLEX_CASES[case], "flex", SPREAD.get(case, 1), grads=DEVICE == "cuda")
 
 
+def test_one_call_after_another_at_new_lengths():
+    """Each new length is a new compiled shape on a GPU: under dynamo's automatic dynamic shapes the second length
+    became symbolic and torch 2.11's inductor found no kernel for it (float32, D = 16, GQA)."""
+    for length in (33, 70, 101):
+        spec = (1, 4, 2, length, 16, 4, 1, 5, True, None, F32)
+        check_against_reference(f"length {length}", spec, "flex", grads=DEVICE == "cuda", sink=False, seed=length)
+
+
 def test_returns_lse_of_the_reference():
     q, k, v = (torch.randn(2, 4, 37, 16, generator=torch.Generator().manual_seed(s)).to(DEVICE) for s in range(3))
     groups = make_groups(2, 37, 4, 2, seed=5)

@@ -6,7 +6,8 @@ import torch
 
 from sieve_attn import focus_attention
 from sieve_attn.ops.focus.reference import count_attended_pairs
-from sieve_attn.ops.focus.routing import causal_log_assign, hard_groups, sink_positions, sinkhorn, with_sinks_soft
+from sieve_attn.ops.focus.routing import (causal_log_assign, document_starts, hard_groups, sink_positions, sinkhorn,
+                                          with_sinks_soft)
 
 F64 = torch.float64
 
@@ -144,18 +145,45 @@ def test_with_sinks_soft(first_position, sink_tokens, expected_sinks):
 
 
 @pytest.mark.parametrize("first_position, expected", [
-    (0, [[False, False, True, True, False, False], [True, True, False, False, False, False]]),
-    (3, [[True, False, False], [False, False, False]]),
-    (4, None)])
-def test_sinks_start_at_each_rows_first_real_position(first_position, expected):
-    """Row 0 left-padded by 2 slots: its 2 sinks are positions 2 and 3; row 1's are 0 and 1. A chunk past every
-    sink has none (None: no tensor work)."""
-    length = 6 - first_position if first_position < 4 else 2
-    got = sink_positions(2, first_position, length, 2, "cpu", sink_starts=[2, 0])
+    (0, [[False, False, True, True, False, False], [True, True, False, True, True, False]]),
+    (3, [[True, False, False], [True, True, False]]),
+    (5, None)])
+def test_sinks_start_at_each_document_start(first_position, expected):
+    """Row 0 left-padded by 2 slots: its 2 sinks are positions 2 and 3; row 1 packs two sequences, from 0 and 3:
+    sinks 0, 1, 3 and 4. A chunk past every sink has none (None: no tensor work)."""
+    length = 6 - first_position if first_position < 5 else 2
+    got = sink_positions(2, first_position, length, 2, "cpu", sink_starts=[[2], [0, 3]])
     assert (got is None) if expected is None else torch.equal(got, torch.tensor(expected))
     if got is not None:
         ids = hard_groups(torch.randn(2, length, 5), torch.zeros(5), 1, got)
         assert torch.equal((ids >= 0).sum(-1) == 5, got)  # sinks list every group, the others one
+
+
+def _causal_mask(length: int, documents: list[int], pads: int = 0, window: int | None = None) -> torch.Tensor:
+    """[1, 1, T, T] bool as transformers builds it: ``pads`` left pads that attend nothing and no one attends,
+    then sequences of the ``documents`` lengths, each causal within itself, with a sliding ``window``."""
+    document = torch.full((length,), -1)
+    document[pads:] = torch.repeat_interleave(torch.arange(len(documents)), torch.tensor(documents))
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None]
+    mask = (document[:, None] == document[None]) & (document[None] >= 0) & (j <= i)
+    if window is not None:
+        mask &= i - j < window
+    return mask[None, None]
+
+
+def test_document_starts_from_masks():
+    assert document_starts(_causal_mask(8, [8]), 0, 8) == [[0]]
+    assert document_starts(_causal_mask(8, [5], pads=3), 0, 8) == [[3]]
+    assert document_starts(_causal_mask(9, [4, 2, 3]), 0, 9) == [[0, 4, 6]]
+    assert document_starts(_causal_mask(9, [2, 4, 3], pads=0, window=2), 0, 9) == [[0, 2, 6]]
+    rows = torch.cat([_causal_mask(7, [7]), _causal_mask(7, [3, 3], pads=1)])
+    assert document_starts(rows, 0, 7) == [[0], [1, 4]]
+    # A chunk of queries 5.. over every key: starts at absolute positions; one over the last 4 keys of a
+    # sliding-window cache (its first query's predecessor is key 0 there).
+    full = _causal_mask(9, [4, 2, 3])
+    assert document_starts(full[..., 5:, :], 5, 9) == [[6]]
+    assert document_starts(full[..., 5:, 5:], 5, 4) == [[6]]
+    assert document_starts(full[..., 6:, 6:], 6, 3) == [[]]  # 6's predecessor is gone: it continues
 
 
 # ----------------------------------------------------------------------------------------------------------------

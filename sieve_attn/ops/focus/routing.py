@@ -11,7 +11,8 @@ Router logits are L [B, T, K] = (W_g h) C^T / tau (tau applied once). Three read
 
 Sink tokens (the first ``sink_tokens`` tokens of a sequence, which pretrained models use as attention sinks) are
 members of every group: a row of ones in the soft forms, all K ids in the hard form. A row of a batch may start
-later than position 0 (left padding): ``sink_starts`` gives each row's first real position.
+later than position 0 (left padding), or hold several sequences one after another (packing): ``sink_starts`` gives
+each row's document starts.
 """
 from __future__ import annotations
 
@@ -47,16 +48,37 @@ def causal_log_assign(logits: torch.Tensor, group_bias: torch.Tensor) -> torch.T
 
 
 def sink_positions(batch: int, first_position: int, length: int, sink_tokens: int, device,
-                   sink_starts: Optional[list[int]] = None) -> Optional[torch.Tensor]:
-    """[B, T] bool: which of positions first_position .. first_position + T - 1 are sinks, the ``sink_tokens`` from
-    each row's first real position (``sink_starts[b]``; 0 for every row when None); None where none is (no tensor
+                   sink_starts: Optional[list[list[int]]] = None) -> Optional[torch.Tensor]:
+    """[B, T] bool: which of positions first_position .. first_position + T - 1 are sinks, the ``sink_tokens``
+    positions from each of a row's document starts (``sink_starts[b]``: a row's first real position, and with
+    packing each later sequence's first; None: position 0 alone for every row); None where none is (no tensor
     work: decided on the host)."""
-    starts = [0] * batch if sink_starts is None else sink_starts
-    if not any(start < first_position + length and start + sink_tokens > first_position for start in starts):
+    starts = [[0]] * batch if sink_starts is None else sink_starts
+    end = first_position + length
+    marked = [(row, position - first_position) for row, row_starts in enumerate(starts) for start in row_starts
+              for position in range(max(start, first_position), min(start + sink_tokens, end))]
+    if not marked:
         return None
-    positions = torch.arange(first_position, first_position + length, device=device)
-    starts = torch.tensor(starts, device=device)[:, None]
-    return (positions >= starts) & (positions < starts + sink_tokens)
+    rows, columns = torch.tensor(marked).unbind(1)
+    sinks = torch.zeros(batch, length, dtype=torch.bool)
+    sinks[rows, columns] = True
+    return sinks.to(device)
+
+
+def document_starts(attn_mask: torch.Tensor, start: int, k_len: int) -> list[list[int]]:
+    """Absolute positions where a sequence begins among the queries of ``attn_mask`` [B or 1, H or 1, Tq, Tk] (bool,
+    True = attend; queries at positions start.., aligned to the end of the keys), per mask row: a query that attends
+    itself but not the position before it (or that is position 0). Left padding gives each row's first real token
+    (pads attend nothing, or not their own slot); packed sequences (transformers' block-diagonal mask from
+    ``position_ids`` that restart) each one's first token. Reads two diagonals of the mask, one host read."""
+    q_len = attn_mask.shape[-2]
+    queries = torch.arange(q_len, device=attn_mask.device)
+    own = queries + (k_len - q_len)  # each query's own key slot
+    attends_itself = attn_mask[:, 0, queries, own]  # [B or 1, Tq]
+    # A query whose predecessor is no longer among the keys (a sliding-window cache) continues its sequence.
+    previous = torch.where(own > 0, attn_mask[:, 0, queries, (own - 1).clamp_min(0)], queries + start > 0)
+    starts = attends_itself & ~previous
+    return [(row.nonzero().flatten() + start).tolist() for row in starts]
 
 
 def with_sinks_soft(assign: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
