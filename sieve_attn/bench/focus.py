@@ -38,7 +38,6 @@ from typing import Callable, Optional
 import torch
 
 from ..ops.focus import attention as focus_ops
-from ..ops.focus.flex import compiled_flex_attention
 from ..ops.focus.groups import FocusGroups
 from .common import (BACKWARD, DECODE, Settings, Timer, Verdict, add_bench_arguments, add_int_list, attend_row,
                      check_sampled_rows, choice_list, decode_inputs, dense_cells, dense_masked_attention, finish,
@@ -155,13 +154,23 @@ def _causal(batch, head, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Every (T, D) is a new static shape; past the default 8 recompilations dynamo would fall back to eager flex
+    # attention, which materialises the T x T scores.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def flex_causal(length: int, device: torch.device) -> Callable:
     """Compiled FlexAttention with a causal block mask for T = ``length``; returns attn(q, k, v). The mask is built
     here (compiled, so no T x T tensor exists), outside what is timed."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     mask = create_block_mask(_causal, None, None, length, length, device=device, _compile=True)
-    compiled = compiled_flex_attention()
+    compiled = _compiled_flex()
     return lambda q, k, v: compiled(q, k, v, block_mask=mask)
 
 

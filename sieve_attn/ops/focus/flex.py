@@ -10,9 +10,9 @@ log-sum-exp, so plain autograd gives the gradients of the whole.
 
 Block masks skip fully masked tiles, so each call costs about its own pairs. GQA through ``enable_gqa`` (K and V are
 not copied per query head); softcap through a ``score_mod``. On CUDA the masks are built compiled (no T x T tensor)
-and ``flex_attention`` runs under ``torch.compile`` with static shapes (:func:`compiled_flex_attention`); on the
-CPU it runs eagerly, forward only (FlexAttention has no CPU backward), and eager FlexAttention computes each call's
-scores densely: the CPU form is for tests and small inputs.
+and ``flex_attention`` runs under ``torch.compile`` (dynamo's automatic dynamic shapes: a new L or T recompiles once,
+then shapes are symbolic); on the CPU it runs eagerly, forward only (FlexAttention has no CPU backward), and eager
+FlexAttention computes each call's scores densely: the CPU form is for tests and small inputs.
 """
 from __future__ import annotations
 
@@ -96,8 +96,11 @@ def _window_block_mask(bits: torch.Tensor, window: int, batch: int, length: int,
 
 def _attend(q, k, v, block_mask, *, scale, softcap):
     """(out, lse) of one flex_attention call; fully masked rows give 0 and -inf."""
+    # The main kernel, never the decoding one: torch 2.11 picks the decoding kernel for fewer than 128 query rows
+    # and then finds no tiling for it where those rows times the GQA ratio pass 128 (NoValidChoicesError on CUDA
+    # at T = 70, 4 query heads on 2 KV heads); every call here is a prefill anyway.
     kwargs = dict(score_mod=None if softcap is None else _capped(softcap), block_mask=block_mask, scale=scale,
-                  enable_gqa=q.shape[1] != k.shape[1])
+                  enable_gqa=q.shape[1] != k.shape[1], kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
     attention, aux_request = _flex(q.device.type)
     if aux_request is None:  # a torch before AuxRequest
         return attention(q, k, v, return_lse=True, **kwargs)
@@ -112,24 +115,10 @@ def _capped(softcap: float):
     return score_mod
 
 
+@functools.cache
 def _flex(device_type: str):
     """(flex_attention, compiled on CUDA; AuxRequest or None)."""
     from torch.nn.attention import flex_attention as module
 
-    attention = compiled_flex_attention() if device_type == "cuda" else module.flex_attention
+    attention = torch.compile(module.flex_attention) if device_type == "cuda" else module.flex_attention
     return attention, getattr(module, "AuxRequest", None)
-
-
-@functools.cache
-def compiled_flex_attention():
-    """``flex_attention`` under ``torch.compile`` with static shapes: each new (L or T, D, dtype) compiles once.
-
-    Why static: once dynamo turns a second shape into a symbolic one, torch 2.11's inductor finds no FlexAttention
-    kernel for some of them (``NoValidChoicesError`` on CUDA for float32, D = 16, GQA; pytorch#147756 is the same
-    failure with ``dynamic=True``), and attention-gym compiles it this way. Past dynamo's default 8 recompilations
-    the call would fall back to eager FlexAttention, which materialises the T x T scores, so the limit is raised to
-    at least 64 shapes."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(flex_attention, dynamic=False)
