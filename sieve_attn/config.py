@@ -43,8 +43,10 @@ class FocusConfig(_Serialisable):
     with packing the whole row) or "causal" (the inference routing, softmax of logits + group biases; strictly causal).
     mode: what the composed attention computes: "train" (Sinkhorn + soft gate, sees the whole sequence),
     "soft" (causal routing + soft gate), "hard" (causal top-k groups, the sparse pattern), "dense" (router off).
-    backend: how the hard pattern is computed (:func:`sieve_attn.focus_attention`'s ``backend``; "auto" picks the
-    fastest exact one for the device and length).
+    backend: how the hard pattern is computed, one of :func:`sieve_attn.focus_attention`'s backends that serve
+    prefill and decode alike: "auto" (the fastest exact one for the device and length, the op's "sdpa"
+    decomposition included where it wins), "reference", "dense" or "triton". The op's "sdpa" and "flex" backends
+    compute prefill only (Tq == Tk), so a model cannot be pinned to them.
     """
 
     num_groups: int = 8

@@ -49,7 +49,10 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} used on a module without Focus or SFA; "
                            "build the model with sieve_attn.compose")
     if dropout and module.training:
-        fail("dropout", "0 (Focus attention has no attention dropout; call model.eval())", dropout)
+        fail("dropout", "0 (sieve attention has no attention dropout; call model.eval(), or set the model "
+             "config's attention dropout, e.g. attn_pdrop or attention_dropout, to 0 before loading it)", dropout)
+    if kwargs.get("output_attentions"):
+        fail("output_attentions", "False (sieve attention never builds the attention weights)", True)
     if not getattr(module, "is_causal", True):
         fail("module", "a causal (decoder) attention module", type(module).__name__)
     if attention_mask is not None and attention_mask.dtype != torch.bool:

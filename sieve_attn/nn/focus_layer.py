@@ -40,6 +40,15 @@ class FocusLayer(nn.Module):
         # history, the cache's rows token after the pass that wrote it, and the tokens it covers.
         self._past: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    def __getstate__(self) -> dict:
+        """Pickling (``torch.save(model)``, multiprocessing) keeps the router and settings; the routing kept for
+        the tokens of live caches stays behind (those caches are not pickled with the model)."""
+        return dict(self.__dict__, _past=None, _pending=None)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._past = weakref.WeakKeyDictionary()
+
     def extra_repr(self) -> str:
         return f"mode={self.config.mode!r}, window={self.config.window}, top_k={self.config.top_k}"
 

@@ -56,10 +56,19 @@ class FocusRouter(nn.Module):
         token; balance then comes only through ``group_bias`` following the potentials.
         """
         log_assign, potentials = sinkhorn(logits, self.config.sinkhorn_iters)
-        if self.training:
+        # Activation checkpointing (torch.utils.checkpoint, transformers' gradient_checkpointing_enable, FSDP's
+        # checkpoint wrapper) runs this forward again inside backward: the running average must move once per
+        # step, and the recomputed causal routing must use the bias the first forward used.
+        if self.training and not _recomputing_in_backward():
             with torch.no_grad():
                 centred = (potentials - potentials.mean(dim=-1, keepdim=True)).mean(dim=0)
                 self.group_bias.mul_(self.config.bias_momentum).add_(centred, alpha=1 - self.config.bias_momentum)
         if causal:
             return causal_log_assign(logits, self.group_bias).exp()
         return log_assign.exp()
+
+
+def _recomputing_in_backward() -> bool:
+    """Whether this forward runs inside the autograd engine's backward, as a checkpointed forward's recomputation
+    does (torch.utils.checkpoint itself reads the same graph-task id)."""
+    return torch._C._current_graph_task_id() != -1

@@ -5,7 +5,10 @@ own eager attention (``tests.models.eager_copy``), never the package's code path
 """
 from __future__ import annotations
 
+import copy as copy_module
+import io
 import json
+import pickle
 
 import pytest
 import torch
@@ -302,6 +305,60 @@ def test_causal_training_routing_trains_the_router_and_its_biases():
     model(ids, labels=ids).loss.backward()
     assert layer.router.proj.weight.grad.abs().sum() > 0 and layer.router.centroids.grad.abs().sum() > 0
     assert layer.router.group_bias.abs().sum() > 0  # running Sinkhorn potentials, updated in training mode
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("train_routing", ["causal", "sinkhorn"])
+def test_activation_checkpointing_changes_no_gradient_and_no_bias(train_routing, reentrant):
+    """A checkpointed layer runs its forward again inside backward; the routers' running biases must move once
+    per step all the same, and the recomputed routing must be the one the loss saw."""
+    ids = random_ids()
+
+    def step(checkpointing: bool):
+        torch.manual_seed(0)
+        model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE, mode="train", train_routing=train_routing))
+        model.train()
+        if checkpointing:  # transformers 5.2x renamed gradient_checkpointing_enable
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        for _ in range(2):
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        routers = [layer.router for layer in focus_layers(model)]
+        return [(r.centroids.grad, r.proj.weight.grad, r.group_bias) for r in routers]
+
+    plain, checkpointed = step(False), step(True)
+    for expected, got in zip(plain, checkpointed):
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_composed_model_pickles_and_copies():
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE), sa.SFAConfig(topk=4))
+    ids = random_ids()
+    expected = _logits(model, ids)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copy in (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False), copy_module.deepcopy(model)):
+        torch.testing.assert_close(_logits(copy, ids), expected, rtol=0, atol=0)
+        out = copy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+        assert out.shape == (ids.shape[0], ids.shape[1] + 3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_attention_weights_are_refused(arch):
+    model = sa.compose(tiny_model(arch), sa.FocusConfig(**SPARSE))
+    with pytest.raises(ValueError, match="output_attentions: expected False"):
+        model(random_ids(), output_attentions=True)
+
+
+def test_attention_dropout_in_training_is_refused_with_the_setting_to_change():
+    model = sa.compose(tiny_model("gpt2", attn_pdrop=0.1), sa.FocusConfig(**SPARSE))
+    model.train()
+    with pytest.raises(ValueError, match="dropout: expected 0 .*attn_pdrop"):
+        model(random_ids())
 
 
 # 5. Decoding with a KV cache equals recomputing the whole sequence.
