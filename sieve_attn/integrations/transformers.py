@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import weakref
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -185,7 +186,31 @@ def _rows_token(cache, layer_idx: int):
     if hasattr(layer, "rows_version"):
         return layer.rows_version
     keys = getattr(layer, "keys", None)
-    return keys.untyped_storage().data_ptr() if isinstance(keys, torch.Tensor) and keys.numel() else None
+    return _KeysStorage(keys) if isinstance(keys, torch.Tensor) and keys.numel() else None
+
+
+class _KeysStorage:
+    """A cache layer's rows token: the storage of its keys (equal tokens: the same storage). ``copy.deepcopy`` of
+    the cache copies its keys before the routing kept on it (an attribute set after the cache's own), so the copied
+    token names the copied keys' storage, read from deepcopy's memo; a token that cannot (its keys are gone, or the
+    cache was pickled) equals none."""
+
+    def __init__(self, keys: Optional[torch.Tensor]):
+        self.pointer = None if keys is None else keys.untyped_storage().data_ptr()
+        self._keys = None if keys is None else weakref.ref(keys)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _KeysStorage) and self.pointer is not None and self.pointer == other.pointer
+
+    __hash__ = None
+
+    def __deepcopy__(self, memo: dict) -> "_KeysStorage":
+        keys = None if self._keys is None else self._keys()
+        copied = None if keys is None else memo.get(id(keys))
+        return _KeysStorage(copied if isinstance(copied, torch.Tensor) else None)
+
+    def __getstate__(self) -> dict:
+        return {"pointer": None, "_keys": None}
 
 
 def _split_configs(configs) -> tuple[Optional[FocusConfig], Optional[SFAConfig]]:

@@ -36,18 +36,14 @@ class FocusLayer(nn.Module):
         self.count_pairs = False
         self.pair_counts = [0, 0]  # attended, candidates (hard mode, while count_pairs is on)
         self._pending: Optional[_Pass] = None
-        # Routing of the tokens each KV cache holds, per cache (a pass without a cache keeps none): the routing
-        # history, the cache's rows token after the pass that wrote it, and the tokens it covers.
-        self._past: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # The routing of the tokens a KV cache holds lives on the cache (see _kept), so that a copy of the cache
+        # (copy.deepcopy, to reuse a prompt's prefill) carries it; a change of settings that invalidates it bumps
+        # this count, and routing kept under another count is ignored.
+        self._routing_version = 0
 
     def __getstate__(self) -> dict:
-        """Pickling (``torch.save(model)``, multiprocessing) keeps the router and settings; the routing kept for
-        the tokens of live caches stays behind (those caches are not pickled with the model)."""
-        return dict(self.__dict__, _past=None, _pending=None)
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._past = weakref.WeakKeyDictionary()
+        """Pickling (``torch.save(model)``, multiprocessing) keeps the router and settings, not a pass in flight."""
+        return dict(self.__dict__, _pending=None)
 
     def extra_repr(self) -> str:
         return f"mode={self.config.mode!r}, window={self.config.window}, top_k={self.config.top_k}"
@@ -65,7 +61,7 @@ class FocusLayer(nn.Module):
         self.config = replace(self.config, **changes)
         self.router.config = self.config
         if set(changes) - _PATTERN_ONLY:  # the routing kept for cached tokens no longer holds
-            self._past.clear()
+            self._routing_version += 1
 
     def observe(self, hidden_states: torch.Tensor, start: Optional[int] = None, cache=None,
                 rows: Optional[Callable[[], object]] = None) -> None:
@@ -84,14 +80,14 @@ class FocusLayer(nn.Module):
         """The cache's batch rows became its former rows ``indices`` ([B'] indices, e.g. beam search's beam_idx):
         the routing kept for its tokens follows. ``rows()`` reads the cache's rows token after the reordering (see
         :meth:`observe`). A cache this layer keeps no routing for is left alone."""
-        past = self._past.get(cache)
+        past = self._kept(cache)
         if past is None:
             return
         routing = past.routing
         routing = routing.rows(indices) if isinstance(routing, FocusGroups) else \
             routing.index_select(0, indices.to(routing.device))
         sink_starts = None if past.sink_starts is None else [past.sink_starts[i] for i in indices.tolist()]
-        self._past[cache] = _Routed(routing, None if rows is None else rows(), past.length, sink_starts)
+        self._keep(cache, _Routed(routing, None if rows is None else rows(), past.length, sink_starts))
 
     def attend(self, q, k, v, *, attn_mask=None, scale=None, softcap=None) -> torch.Tensor:
         """Attention output [B, Hq, Tq, D] for the current mode (queries aligned to the end of the keys)."""
@@ -138,7 +134,7 @@ class FocusLayer(nn.Module):
         A one-token pass (a decode step) continues its row's last document."""
         if not self.config.sink_tokens:
             return None
-        past = None if not start or this_pass.cache is None else self._past.get(this_pass.cache)
+        past = None if not start else self._kept(this_pass.cache)
         earlier = None if past is None else past.sink_starts
         if attn_mask is None or q_len == 1:
             return earlier
@@ -157,7 +153,7 @@ class FocusLayer(nn.Module):
         position."""
         history = current
         if start:
-            past = None if this_pass.cache is None else self._past.get(this_pass.cache)
+            past = self._kept(this_pass.cache)
             routing = None if past is None else past.routing
             known = None if routing is None else _length(routing)
             if known is None or _batch(routing) != _batch(current) or known < start or \
@@ -179,9 +175,29 @@ class FocusLayer(nn.Module):
         if this_pass.cache is not None:
             rows = None if this_pass.rows is None else this_pass.rows()  # after this pass appended its tokens
             kept = history if isinstance(history, FocusGroups) else history.detach()
-            self._past[this_pass.cache] = _Routed(kept, rows, start + _length(current), sink_starts)
+            self._keep(this_pass.cache, _Routed(kept, rows, start + _length(current), sink_starts))
         return history.last(k_len) if isinstance(history, FocusGroups) else history[:, history.shape[1] - k_len:]
 
+
+    def _kept(self, cache) -> Optional["_Routed"]:
+        """The routing this layer kept for the tokens of ``cache`` under its current settings, or None."""
+        kept = None if cache is None else getattr(cache, _ROUTING_ATTR, {}).get(id(self))
+        if kept is None or kept.owner() is not self or kept.version != self._routing_version:
+            return None
+        return kept
+
+    def _keep(self, cache, routed: "_Routed") -> None:
+        routed.owner, routed.version = weakref.ref(self), self._routing_version
+        kept = getattr(cache, _ROUTING_ATTR, None)
+        if kept is None:
+            kept = {}
+            setattr(cache, _ROUTING_ATTR, kept)
+        kept[id(self)] = routed
+
+
+# The attribute of a KV cache that holds its tokens' routing, per Focus layer (keyed by the layer's id; each entry
+# names its layer by a weak reference, which copy.deepcopy keeps: a copied cache serves the same layers).
+_ROUTING_ATTR = "_sieve_focus_routing"
 
 # Settings that change how routed tokens attend, not how they are routed: a cache's routing survives them.
 _PATTERN_ONLY = {"window", "backend", "gate", "gate_lambda"}
@@ -202,12 +218,14 @@ class _Pass:
 @dataclass
 class _Routed:
     """The routing of the tokens a cache holds (``length`` of them), its rows token when it was written, and each
-    row's first real position (None: 0 for every row)."""
+    row's document starts (None: one, at 0, for every row)."""
 
     routing: object
     rows: object
     length: int
     sink_starts: Optional[list] = None
+    owner: Optional[weakref.ref] = None  # the FocusLayer that kept it
+    version: int = 0  # its _routing_version then
 
 
 def _length(routing) -> int:

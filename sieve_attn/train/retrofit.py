@@ -86,10 +86,9 @@ def _train_step(model, trainable, optimizer, runtime, micro_batches: tuple[torch
         for sum_, buffer in zip(updated, buffers):
             sum_ += buffer / len(micro_batches)
         # Each micro-batch starts from the biases the step started from, and the step ends at the mean of their
-        # updates: what processes that each took one micro-batch do. Activation checkpointing runs each layer's
-        # forward again in backward, router included, which updates the biases again; backward starts from the
-        # biases the forward started from, so a recomputation sees and does exactly what the forward did.
-        _copy(buffers, before)
+        # updates: what processes that each took one micro-batch do. Backward runs with the biases this forward
+        # left: a layer that activation checkpointing recomputes there routes with them and does not update them
+        # again (FocusRouter.training_assign).
         loss.backward()
         _copy(buffers, before)
         total += loss.detach()

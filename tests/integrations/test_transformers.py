@@ -410,6 +410,35 @@ def test_each_cache_keeps_its_own_routing(mode):
     torch.testing.assert_close(continued, _logits(model, a)[:, 12:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static", "SFACache"])
+def test_a_copied_prompt_cache_continues_each_suffix(cache):
+    """transformers' prompt reuse: one prefill of a shared prefix, a copy.deepcopy of its cache per continuation.
+    The routing kept for the cached tokens travels with each copy; a copy whose rows are then reordered by hand
+    is still refused."""
+    from transformers import DynamicCache, StaticCache
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1),
+               *([sa.SFAConfig(topk=4)] if cache == "SFACache" else []))
+    prefix = random_ids(1, 14, seed=3)
+    prefilled = {"dynamic": lambda: DynamicCache(config=model.config),
+                 "static": lambda: StaticCache(config=model.config, max_cache_len=32),
+                 "SFACache": lambda: sa.SFACache(model)}[cache]()
+    name = cache_keyword(model)
+    with torch.no_grad():
+        model(prefix, **{name: prefilled})
+    for seed in (5, 6):
+        ids = torch.cat([prefix, random_ids(1, 4, seed=seed)], dim=1)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                             **{name: copy_module.deepcopy(prefilled)})
+        assert torch.equal(out, greedy_recompute(model, ids, 5))
+    if cache == "dynamic":
+        reordered = copy_module.deepcopy(prefilled)
+        reordered.reorder_cache(torch.tensor([0]))
+        with pytest.raises(RuntimeError, match="reordered"):
+            model(random_ids(1, 2, seed=8), **{name: reordered})
+
+
 @pytest.mark.parametrize("mode, with_sfa, cache", [("hard", False, "dynamic"), ("soft", False, "dynamic"),
                                                    ("hard", False, "static"), ("hard", True, "dynamic"),
                                                    ("hard", True, "SFACache")],
