@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 from .._checks import check_int, fail
 from ..nn.sfa_layer import CachedKeys, SFALayer
 from ..ops.sfa.cache import SFAKeyCache
-from .transformers import ATTENTION_NAME, SFA_ATTR, attention_modules, head_dim, kv_heads
+from .transformers import ATTENTION_NAME, SFA_ATTR, attention_modules, head_dim, in_autocast_dtype, kv_heads
 
 
 class SFACacheLayer(CacheLayerMixin):
@@ -71,6 +71,7 @@ class SFACacheLayer(CacheLayerMixin):
         if key_states.dim() != 4 or (key_states.shape[1], key_states.shape[3]) != (self.kv_heads, self.head_dim):
             fail("past_key_values", "an SFACache built for this model", f"one built for {self.kv_heads} KV heads of "
                  f"dim {self.head_dim}, given keys of shape {tuple(key_states.shape)}")
+        key_states, value_states = in_autocast_dtype(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         store = self.store

@@ -60,15 +60,21 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         attention_mask = attention_mask == 0  # additive float mask: 0 where attended
     key, value, attention_mask = _filled_slots(key, value, attention_mask, getattr(module, START_ATTR, None),
                                                query.shape[2])
-    if torch.is_autocast_enabled(query.device.type):
-        # As SDPA under autocast does: attention in the autocast dtype. transformers' RoPE hands back q and k in
-        # float32 there (its cos and sin are float32) beside the projection's bfloat16 v, which our ops refuse.
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, value = query.to(dtype), value.to(dtype)
-        key = key.to(dtype) if isinstance(key, torch.Tensor) else key
+    query, key, value = in_autocast_dtype(query, key, value)
     kwargs = dict(attn_mask=attention_mask, scale=scaling, softcap=softcap)
     out = sfa.attend(query, key, value, focus=focus, **kwargs) if sfa else focus.attend(query, key, value, **kwargs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def in_autocast_dtype(*tensors):
+    """The tensors cast to the autocast dtype where autocast is on for their device (anything else passes as it
+    is), as SDPA under autocast computes attention: transformers' RoPE hands back q and k in float32 there (its cos
+    and sin are float32) beside the projection's bfloat16 v, a mix our ops and caches refuse."""
+    device = next(t.device.type for t in tensors if isinstance(t, torch.Tensor))
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
 def _filled_slots(key, value, attention_mask, start: Optional[int], q_len: int):

@@ -262,3 +262,19 @@ def test_misuse_is_refused():
         sa.SFACache(llama)
     with pytest.raises(AttributeError, match="keys held by a sieve_attn.SFACache have no attribute 'shape'"):
         _use(llama, cache)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_generation_under_bf16_autocast_scores_what_a_full_forward_scores(arch):
+    """Under autocast a RoPE model's keys reach the cache in float32 beside bfloat16 values: the cache stores both
+    in the autocast dtype, as the attention function computes, and each step's logits are the full forward's over
+    the same tokens to bfloat16 rounding (on average within 5% of their mean magnitude)."""
+    model = sa.compose(tiny_model(arch), sa.SFAConfig(topk=TOPK))
+    prompt = random_ids(2, PROMPT)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True,
+                             **{cache_keyword(model): sa.SFACache(model)})
+        full = model(out.sequences[:, :-1]).logits[:, PROMPT - 1:]
+    steps = torch.stack(out.logits, dim=1).float()
+    assert (steps - full.float()).abs().mean() < 0.05 * full.float().abs().mean()
