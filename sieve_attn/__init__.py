@@ -5,7 +5,7 @@ from .integrations.transformers import compose, load_adapter, reconfigure, save_
 from .nn.router import FocusRouter
 from .ops.focus.attention import focus_attention, focus_backend, focus_soft_attention
 from .ops.focus.groups import FocusGroups
-from .ops.sfa.attention import sfa_attention
+from .ops.sfa.attention import sfa_attention, sfa_backend
 from .ops.sfa.cache import SFAKeyCache, dense_bytes_per_token
 from .ops.sfa.codes import sparse_codes
 from .ops.sfa.decode import sfa_decode
@@ -25,4 +25,4 @@ def __getattr__(name: str):
 __all__ = ["FocusConfig", "FocusGroups", "FocusRouter", "SFACache", "SFAConfig", "SFAKeyCache",
            "calibrate_feature_maps", "compose", "dense_bytes_per_token", "focus_attention", "focus_backend",
            "focus_soft_attention", "load_adapter", "reconfigure", "save_adapter", "set_focus_mode", "sfa_attention",
-           "sfa_decode", "skip_nan_checks", "sparse_codes"]
+           "sfa_backend", "sfa_decode", "skip_nan_checks", "sparse_codes"]

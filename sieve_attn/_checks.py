@@ -168,7 +168,8 @@ def check_out(out, q: torch.Tensor) -> None:
     ok = (isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
           and out.is_contiguous())
     if not ok:
-        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else out
+        got = (f"{'' if out.is_contiguous() else 'a non-contiguous '}{out.dtype} {tuple(out.shape)} on {out.device}"
+               if isinstance(out, torch.Tensor) else out)
         fail("out", f"a contiguous {q.dtype} tensor {tuple(q.shape)} on {q.device}", got)
 
 

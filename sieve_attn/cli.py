@@ -526,17 +526,22 @@ def cmd_retrofit(args) -> int:
 def cmd_eval_ppl(args) -> int:
     from ._provenance import environment
     from .eval.report import evaluate_modes, format_table, write_json
-    from .integrations.transformers import check_adapter, load_adapter, read_adapter_config, reconfigure
+    from .integrations.transformers import (check_adapter, check_sfa_backend, load_adapter, read_adapter_config,
+                                            reconfigure)
 
     _check_common_options(args)
     with _errors_of("--adapter"):
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
-    modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
+    modes = _eval_modes(args, saved)
+    _check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)  # every option checked against the adapter before the model loads
     model, tokenizer, weights = _setup_with_weights(args, saved)
     _check_context(model, args.context)
     if saved is not None:
         with _errors_of("--adapter"):  # before any scoring
             check_adapter(model, args.adapter, weights_digest=weights)
+    if args.sfa_backend is not None and saved["focus"] is None:
+        with _errors_of("--sfa-backend"):
+            check_sfa_backend(model, args.sfa_backend)
     windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
     focus_config = sfa_config = None
@@ -584,7 +589,8 @@ def _load_checked_weights(model, args, saved: dict | None) -> str | None:
     from .train.finetune import load_weights
 
     trained_with = None if saved is None else saved.get("weights_digest")
-    weights = None if args.weights is None else load_weights(model, args.weights)
+    with _errors_of("--weights"):
+        weights = None if args.weights is None else load_weights(model, args.weights)
     if trained_with is not None and weights != trained_with:
         raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
                          f"got {str(args.weights)!r} ({weights})")
@@ -699,6 +705,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _check_kernels_can_run(option: str, backend: str | None, device: str) -> None:
+    """Exits, before any model loads, when ``option`` asks for the Triton kernels on a device where they cannot
+    run (the CPU without TRITON_INTERPRET=1, or without triton)."""
+    from ._checks import check_device_option
+    from .ops.triton_common import kernel_blocker
+
+    if backend != "triton":
+        return
+    check_device_option(device)
+    blocker = kernel_blocker(torch.empty(0, 16, device=device))
+    if blocker:
+        raise SystemExit(f"{option}: expected a backend that runs on --device {device}, got 'triton' ({blocker})")
+
+
 def _check_weights_file(option: str, path: Path | None) -> None:
     """SystemExit naming ``option`` when ``path`` is given but is no file, before any model is loaded."""
     if path is not None and not path.is_file():
@@ -728,18 +748,20 @@ def _errors_named_by_flag():
         yield
     except ValueError as error:
         name, sep, rest = str(error).partition(": ")
-        name = {"out_dir": "out"}.get(name, name)  # the Python argument behind --out
+        name = {"out_dir": "out", "backend": "sfa_backend"}.get(name, name)  # the Python names behind the options
         raise SystemExit(f"--{name.replace('_', '-')}: {rest}" if sep and name.isidentifier() else error) from None
 
 
-def _check_resumable(args, settings, job: str) -> None:
+def _check_resumable(args, settings, job: str, configs: dict | None = None) -> None:
     """With --resume, exits (naming the option) when the checkpoint in --out cannot be continued with these
-    settings or is another job's: before the model loads (:func:`sieve_attn.train.loop.check_resume_settings`)."""
+    settings or these ``configs`` (:func:`~sieve_attn.integrations.transformers.trained_configs` of what the
+    options compose), or is another job's: before the model loads
+    (:func:`sieve_attn.train.loop.check_resume_settings`)."""
     from .train.loop import check_resume_settings
 
     if args.resume:
         with _errors_named_by_flag():
-            check_resume_settings(args.out, settings, job)
+            check_resume_settings(args.out, settings, job, model=configs)
 
 
 def _distill_weight(args) -> float:
@@ -767,6 +789,7 @@ def cmd_finetune(args) -> int:
     from .train.calibrate import calibrate_feature_maps
     from safetensors.torch import load_file
 
+    from .integrations.transformers import trained_configs
     from .train.checkpoint import tensors_digest
     from .train.finetune import FinetuneSettings, finetune, load_weights
 
@@ -774,6 +797,11 @@ def cmd_finetune(args) -> int:
     _check_common_options(args)
     if args.calibration_windows < 1:
         raise SystemExit(f"--calibration-windows: expected at least 1, got {args.calibration_windows}")
+    if args.validate_every and args.validation_windows < 1:
+        raise SystemExit(f"--validation-windows: expected at least 1 with --validate-every, got "
+                         f"{args.validation_windows}")
+    if args.method == "sfa":
+        _check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)
     if args.method == "dense":
         _warn_of_sfa_options(args)
     distill_weight = _distill_weight(args)
@@ -790,7 +818,7 @@ def cmd_finetune(args) -> int:
         sfa = SFAConfig(topk=args.topk, backend=args.sfa_backend, feature_map=mapped,
                         selection=args.selection) if args.method == "sfa" else None
     _claim_out(args)
-    _check_resumable(args, settings, "finetune")
+    _check_resumable(args, settings, "finetune", trained_configs(None, sfa))
     _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -813,7 +841,8 @@ def cmd_finetune(args) -> int:
     train_files = _files(args.train_text, 0)
     validation = None
     if args.validate_every:
-        train_files, validation = hold_back(tokenizer, train_files, args.context, args.validation_windows)
+        with _errors_of("--validation-windows"):
+            train_files, validation = hold_back(tokenizer, train_files, args.context, args.validation_windows)
     windows = token_windows(tokenizer, train_files, args.context, args.steps * args.batch_size)
     uncalibrated, calibration = None, windows[:args.calibration_windows]  # the first ones, in file order
     if calibrated:  # first without: identity maps and all-1 weights, the paper's plain top-k

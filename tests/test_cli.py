@@ -80,6 +80,8 @@ def test_eval_and_generate_refuse_bad_options_before_loading_the_model(argv, mes
      r"--micro-batch: expected a divisor of each process's share of the batch \(4 windows\), got 3"),
     (["finetune", "--batch-size", "4", "--micro-batch", "3"], "--micro-batch: expected a divisor"),
     (["retrofit", "--resume", "--overwrite"], "--resume, --overwrite: expected one of them"),
+    (["finetune", "--validate-every", "5", "--validation-windows", "0"],
+     "--validation-windows: expected at least 1 with --validate-every, got 0"),
 ])
 def test_training_commands_refuse_bad_options_before_loading_the_model(tmp_path, argv, message):
     out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
@@ -253,3 +255,33 @@ def test_resume_with_settings_the_checkpoint_cannot_continue_is_refused_before_t
         main(["finetune", *common])
     with pytest.raises(SystemExit, match="--model: expected"):  # settings that continue it: on to the model
         main(["retrofit", *common, "--lr", "0.01"])
+
+
+def test_triton_kernels_asked_for_where_they_cannot_run_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    common = ["--sfa-backend", "triton", "--device", "cpu", "--model", str(tmp_path / "no model here")]
+    with pytest.raises(SystemExit, match="--sfa-backend: expected a backend that runs on --device cpu, got 'triton' "
+                                         r"\(the Triton kernels run on CUDA devices"):
+        main(["finetune", "--out", str(tmp_path / "out"), *common])
+
+
+def test_resuming_other_methods_or_settings_is_refused_before_the_model_loads(tmp_path):
+    from dataclasses import asdict
+
+    from sieve_attn import SFAConfig
+    from sieve_attn.integrations.transformers import trained_configs
+    from sieve_attn.train.checkpoint import save_checkpoint
+    from sieve_attn.train.finetune import FinetuneSettings
+
+    out = tmp_path / "run"
+    out.mkdir()
+    trained = trained_configs(None, SFAConfig(topk=4, feature_map=True, selection="importance"))
+    save_checkpoint({"job": "finetune", "step": 1, "settings": asdict(FinetuneSettings()),
+                     "identity": {"model": trained}}, out / "checkpoint.pt")
+    common = ["finetune", "--model", str(tmp_path / "no model here"), "--out", str(out), "--resume"]
+    with pytest.raises(SystemExit, match="--topk: expected 4, what .*checkpoint.pt was trained with, got 8"):
+        main([*common, "--topk", "8"])
+    with pytest.raises(SystemExit, match="--method: expected sfa, what .*checkpoint.pt was trained with, got no sfa"):
+        main([*common, "--method", "dense"])
+    with pytest.raises(SystemExit, match="--model: expected"):  # what the checkpoint was trained with: on to the model
+        main([*common, "--topk", "4"])

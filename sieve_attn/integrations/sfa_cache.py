@@ -15,12 +15,13 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .._checks import check_int, fail
 from ..nn.sfa_layer import CachedKeys, SFALayer
 from ..ops.sfa.cache import SFAKeyCache
-from .transformers import ATTENTION_NAME, SFA_ATTR, attention_modules, head_dim, in_autocast_dtype, kv_heads
+from .transformers import (ATTENTION_NAME, SFA_ATTR, attention_modules, head_dim, in_autocast_dtype, kv_heads,
+                           layer_windows)
 
 
 class SFACacheLayer(CacheLayerMixin):
@@ -225,18 +226,11 @@ def _cache_layers(model: nn.Module, capacity: int) -> list[SFACacheLayer]:
     implementation = model.config._attn_implementation
     if implementation != ATTENTION_NAME:
         fail("model", f"the attention implementation {ATTENTION_NAME!r} that compose set", repr(implementation))
-    dense = DynamicCache(config=model.config).layers
+    windows = layer_windows(model)
     indices = [module.layer_idx for _, module in attention_modules(model)]
-    if indices != list(range(len(dense))):
-        fail("model", f"attention modules with layer_idx 0 .. {len(dense) - 1} (one per layer of its config)", indices)
+    if indices != list(range(len(windows))):
+        fail("model", f"attention modules with layer_idx 0 .. {len(windows) - 1} (one per layer of its config)",
+             indices)
     layers = [getattr(module, SFA_ATTR) for _, module in attention_modules(model)]
-    return [SFACacheLayer(sfa_layer, kv_heads(model), head_dim(model), _window(layer), capacity)
-            for sfa_layer, layer in zip(layers, dense)]
-
-
-def _window(layer) -> Optional[int]:
-    if isinstance(layer, DynamicSlidingWindowLayer):
-        return layer.sliding_window
-    if type(layer) is not DynamicLayer:
-        fail("model", "full or sliding-window attention layers", f"a {type(layer).__name__}")
-    return None
+    return [SFACacheLayer(sfa_layer, kv_heads(model), head_dim(model), window, capacity)
+            for sfa_layer, window in zip(layers, windows)]

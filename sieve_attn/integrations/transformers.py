@@ -229,6 +229,35 @@ def _split_configs(configs) -> tuple[Optional[FocusConfig], Optional[SFAConfig]]
     return (focus or [None])[0], (sfa or [None])[0]
 
 
+def check_sfa_backend(model: nn.Module, backend: str) -> None:
+    """ValueError naming ``backend`` when SFA alone under it cannot compute every call of ``model``: "sdpa" for a
+    model that caps its logits (PyTorch's attention has no softcap), "triton" for one with sliding-window layers
+    (they pass a mask, which the kernels do not take)."""
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if backend == "sdpa" and softcap is not None:
+        fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto', 'reference' or "
+                        f"'triton'; PyTorch's attention under 'sdpa' has no softcap)", "'sdpa'")
+    windows = [window for window in layer_windows(model) if window is not None]
+    if backend == "triton" and windows:
+        fail("backend", f"an SFA backend that takes a mask, as this model's sliding-window layers pass one past "
+                        f"{min(windows)} tokens ('auto', 'reference' or 'sdpa'; the Triton kernels take none)",
+             "'triton'")
+
+
+def layer_windows(model: nn.Module) -> list[Optional[int]]:
+    """Each attention layer's sliding window (None: full attention), as transformers' ``DynamicCache(config)``
+    lays out the model's cache layers."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    windows = []
+    for layer in DynamicCache(config=model.config).layers:
+        if not isinstance(layer, DynamicSlidingWindowLayer) and type(layer) is not DynamicLayer:
+            fail("model", "full or sliding-window attention layers", f"a {type(layer).__name__}")
+        windows.append(getattr(layer, "sliding_window", None) if isinstance(layer, DynamicSlidingWindowLayer)
+                       else None)
+    return windows
+
+
 def kv_heads(model: nn.Module) -> int:
     """The number of key/value heads of ``model``'s attention (its config's num_key_value_heads, else its heads)."""
     text = model.config.get_text_config()
@@ -257,10 +286,8 @@ def compose(model: nn.Module, *configs) -> nn.Module:
         fail("model", "a model not yet composed", "a model already composed (load a fresh model)")
     if sfa is not None and sfa.topk > head_dim(model):
         fail("topk", f"at most the model's head dim {head_dim(model)}", sfa.topk)
-    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
-    if sfa is not None and focus is None and sfa.backend == "sdpa" and softcap is not None:
-        fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto', 'reference' or "
-                        f"'triton'; PyTorch's attention under 'sdpa' has no softcap)", "'sdpa'")
+    if sfa is not None and focus is None:
+        check_sfa_backend(model, sfa.backend)
     modules = attention_modules(model)
     text = model.config.get_text_config()
     device = next(model.parameters()).device

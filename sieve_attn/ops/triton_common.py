@@ -215,7 +215,7 @@ def kernel_blocker(q, attn_mask=None):
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         return f"the Triton kernels take head dims that are powers of two in [16, 256], got {head_dim}"
     if attn_mask is not None:
-        return "the Triton kernels take no attn_mask (padding); the reference does"
+        return "the Triton kernels take no attn_mask (padding, a sliding window); the reference does"
     return None
 
 

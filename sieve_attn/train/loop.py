@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -228,10 +228,12 @@ def _check_settings_continue(state: dict, settings, path: Path) -> None:
     _check_length(settings, saved.get("steps", settings.steps), state["step"], path)
 
 
-def check_resume_settings(out_dir, settings, job_name: str) -> None:
+def check_resume_settings(out_dir, settings, job_name: str, model: Optional[dict] = None) -> None:
     """ValueError when the checkpoint in ``out_dir`` (none: nothing to check) is another job's than
-    ``job_name`` or cannot be continued with ``settings``: what resuming would refuse, told before a model
-    loads. The model, the text and the job's identity are checked when the run resumes."""
+    ``job_name``, cannot be continued with ``settings``, or (given ``model``, the job identity's "model": the
+    methods' configs, :func:`~sieve_attn.integrations.transformers.trained_configs`) trained other methods or
+    other settings of them: what resuming would refuse, told before a model loads, naming the method ("method")
+    or the setting that differs. The rest of the identity and the text are checked when the run resumes."""
     path = Path(out_dir) / CHECKPOINT
     state = load_checkpoint(path)
     if state is None:
@@ -239,6 +241,17 @@ def check_resume_settings(out_dir, settings, job_name: str) -> None:
     if state.get("job", job_name) != job_name:
         fail("out_dir", f"a folder whose checkpoint a {job_name} run wrote", f"{path}, written by {state['job']}")
     _check_settings_continue(state, settings, path)
+    recorded = state.get("identity", {}).get("model")
+    if model is None or recorded is None:
+        return
+    for method, config in model.items():
+        trained = recorded.get(method)
+        if (trained is None) != (config is None):
+            fail("method", f"{'no ' if trained is None else ''}{method}, what {path} was trained with",
+                 f"{'no ' if config is None else ''}{method}")
+        for name in sorted(set(trained or {}) | set(config or {})):
+            if trained.get(name) != config.get(name):
+                fail(name, f"{trained.get(name)!r}, what {path} was trained with", repr(config.get(name)))
 
 
 def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list, list, list]:

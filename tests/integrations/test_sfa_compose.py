@@ -292,6 +292,16 @@ def test_compose_refuses_the_sdpa_backend_on_a_softcapped_model():
     sa.compose(tiny_model("gemma2"), sa.FocusConfig(num_groups=4, window=4), sa.SFAConfig(topk=4, backend="sdpa"))
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_compose_refuses_the_triton_backend_on_a_model_with_sliding_windows(arch):
+    """Sliding-window layers pass a mask once a sequence outgrows the window; the Triton kernels take none: refused
+    when composing, not at the first long forward."""
+    with pytest.raises(ValueError, match="^backend: expected an SFA backend that takes a mask, as this model's "
+                                         "sliding-window layers pass one past 8 tokens .*got 'triton'"):
+        sa.compose(tiny_model(arch), sa.SFAConfig(topk=4, backend="triton"))
+    sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4, backend="triton"))
+
+
 # (attn_mask passed, backend auto takes on CUDA) of a tiny model's calls: Mistral's sliding window and Gemma-2's local
 # layer pass a mask (window 8 < 40 tokens), which sdpa takes; Gemma-2 caps its logits, so its global layer takes the
 # Triton kernels and its local one, masked, the reference (neither sdpa nor the kernels compute it).

@@ -169,3 +169,8 @@ def test_focus_config_accepts_valid_and_round_trips():
     assert FocusConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="FocusConfig"):
         FocusConfig.from_dict({**config.to_dict(), "bogus": 1})
+
+
+def test_a_non_contiguous_out_is_named_so():
+    with pytest.raises(ValueError, match=r"^out: expected a contiguous .*, got a non-contiguous torch.float32"):
+        BAD_CALLS["out not contiguous"][0]()

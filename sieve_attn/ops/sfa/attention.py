@@ -44,8 +44,11 @@ def sfa_attention(
     """Sparse Feature Attention: q and k keep only their ``topk`` largest-magnitude coordinates; V stays dense.
 
     Args:
-        q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D] with Hq % Hkv == 0 (MHA, GQA, MQA), after RoPE. Query i sits at key
-            position Tk - Tq + i, so a decode step passes the new queries with the whole cache.
+        q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D] with Hq % Hkv == 0 (MHA, GQA, MQA), after RoPE, Tq <= Tk. Query
+            i sits at key position Tk - Tq + i, so a decode step passes the new queries with the whole cache. NaN
+            and inf are refused in q and in the last Tq keys and values; the earlier ones are taken for a KV
+            cache's, checked by the calls that added them (re-reading them would cost a decode step as much as
+            dense attention).
         topk: int in [1, D]: coordinates kept per token and head, chosen by largest |x| with ties going to the lower
             coordinate index (:mod:`sieve_attn.ops.sfa.codes`). Each query head selects its own; each KV head
             selects once for its whole group of query heads. topk = D is dense attention.
