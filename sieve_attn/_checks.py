@@ -198,3 +198,16 @@ def check_device_option(name: str) -> None:
             torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())):
         raise SystemExit(f"--device: expected cpu or a CUDA device torch sees ({torch.cuda.device_count()} here), "
                          f"got {name!r}")
+
+
+def check_kernels_can_run(option: str, backend, device: str) -> None:
+    """Exits (naming --device or ``option``) when ``option`` asks for the Triton kernels ("triton") on a device
+    where they cannot run: the CPU without TRITON_INTERPRET=1, or no triton installed."""
+    from .ops.triton_common import kernel_blocker
+
+    if backend != "triton":
+        return
+    check_device_option(device)
+    blocker = kernel_blocker(torch.empty(0, 16, device=device))
+    if blocker:
+        raise SystemExit(f"{option}: expected a backend that runs on --device {device}, got 'triton' ({blocker})")

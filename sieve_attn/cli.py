@@ -524,6 +524,7 @@ def cmd_retrofit(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
+    from ._checks import check_kernels_can_run
     from ._provenance import environment
     from .eval.report import evaluate_modes, format_table, write_json
     from .integrations.transformers import (check_adapter, check_sfa_backend, load_adapter, read_adapter_config,
@@ -532,8 +533,8 @@ def cmd_eval_ppl(args) -> int:
     _check_common_options(args)
     with _errors_of("--adapter"):
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
-    modes = _eval_modes(args, saved)
-    _check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)  # every option checked against the adapter before the model loads
+    modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
+    check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)
     model, tokenizer, weights = _setup_with_weights(args, saved)
     _check_context(model, args.context)
     if saved is not None:
@@ -705,20 +706,6 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _check_kernels_can_run(option: str, backend: str | None, device: str) -> None:
-    """Exits, before any model loads, when ``option`` asks for the Triton kernels on a device where they cannot
-    run (the CPU without TRITON_INTERPRET=1, or without triton)."""
-    from ._checks import check_device_option
-    from .ops.triton_common import kernel_blocker
-
-    if backend != "triton":
-        return
-    check_device_option(device)
-    blocker = kernel_blocker(torch.empty(0, 16, device=device))
-    if blocker:
-        raise SystemExit(f"{option}: expected a backend that runs on --device {device}, got 'triton' ({blocker})")
-
-
 def _check_weights_file(option: str, path: Path | None) -> None:
     """SystemExit naming ``option`` when ``path`` is given but is no file, before any model is loaded."""
     if path is not None and not path.is_file():
@@ -780,6 +767,7 @@ def _distill_weight(args) -> float:
 
 def cmd_finetune(args) -> int:
     from . import SFAConfig, compose, save_adapter
+    from ._checks import check_kernels_can_run
     from .data.text import hold_back, token_windows
     from .eval.perplexity import perplexity
     from ._provenance import environment
@@ -801,7 +789,7 @@ def cmd_finetune(args) -> int:
         raise SystemExit(f"--validation-windows: expected at least 1 with --validate-every, got "
                          f"{args.validation_windows}")
     if args.method == "sfa":
-        _check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)
+        check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)
     if args.method == "dense":
         _warn_of_sfa_options(args)
     distill_weight = _distill_weight(args)

@@ -263,6 +263,9 @@ def test_triton_kernels_asked_for_where_they_cannot_run_are_refused_before_the_m
     with pytest.raises(SystemExit, match="--sfa-backend: expected a backend that runs on --device cpu, got 'triton' "
                                          r"\(the Triton kernels run on CUDA devices"):
         main(["finetune", "--out", str(tmp_path / "out"), *common])
+    for bench in ("sfa", "focus"):
+        with pytest.raises(SystemExit, match="--backend: expected a backend that runs on --device cpu, got 'triton'"):
+            main(["bench", bench, "--backend", "triton", "--device", "cpu", "--out", str(tmp_path / bench)])
 
 
 def test_resuming_other_methods_or_settings_is_refused_before_the_model_loads(tmp_path):

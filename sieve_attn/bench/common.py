@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .._checks import check_device_option, skip_nan_checks
+from .._checks import check_device_option, check_kernels_can_run, skip_nan_checks
 from .._files import atomic_write
 from .._provenance import environment
 from .timing import WARMUP_S, graphed, measure
@@ -642,6 +642,7 @@ class Record:
 
     def __init__(self, config: Settings, out: Path, json_name: str, **extra):
         check_device_option(config.device)
+        check_kernels_can_run("--backend", config.backend, config.device)
         out = Path(out)
         try:
             out.mkdir(parents=True, exist_ok=True)
