@@ -129,7 +129,10 @@ class SFACacheLayer(CacheLayerMixin):
         removable = held if self.seen == held else held - (self.window - 1)
         count = _integer(tokens_to_remove)
         if count is None or not -removable <= count <= 0:
-            fail("tokens_to_remove", f"an int in [-{removable}, 0] (tokens to drop from the end)", tokens_to_remove)
+            kept = "" if self.seen == held else (f"; this sliding-window layer dropped its oldest tokens and keeps "
+                                                 f"the {self.window - 1} that the next query sees")
+            fail("tokens_to_remove", f"{'0' if not removable else f'an int in [-{removable}, 0]'} (tokens to drop "
+                                     f"from the end{kept})", tokens_to_remove)
         tokens_to_remove = count
         if tokens_to_remove:
             self._rebuild(stop=held + tokens_to_remove)

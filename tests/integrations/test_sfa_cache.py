@@ -200,6 +200,10 @@ def test_sliding_layers_stay_croppable_until_they_drop_tokens():
         assert cache.is_croppable
         model(random_ids(1, 12), **_cache_argument(model, cache))
     assert not cache.is_croppable
+    with pytest.raises(ValueError, match=r"tokens_to_remove: expected 0 \(tokens to drop from the end; this "
+                                         r"sliding-window layer dropped its oldest tokens and keeps the 7 that the "
+                                         r"next query sees\), got -5"):
+        cache.crop(-5)
 
 
 def test_a_deep_copy_reuses_a_prompt_cache():
