@@ -212,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="eval_command", required=True,
                                                                          metavar="WHAT")
     ppl = ev.add_parser("ppl", help="perplexity: dense, Focus soft and Focus hard top-k, SFA (all causal)",
-                        description="Scores non-overlapping windows of held-out text. Prints a table and writes "
-                                    "JSON with model, config, tokens, PPL and the fraction of attended pairs. "
+                        description="Scores non-overlapping windows of held-out text. Prints a table and, with "
+                                    "--json, writes JSON with model, config, tokens, PPL and the fraction of "
+                                    "attended pairs. "
                                     "dense scores the model as loaded (with --weights: the fine-tuned weights); "
                                     "soft and hard compose the Focus adapter; sfa composes an SFA adapter from "
                                     "`sieve finetune` (with its --weights). A Focus+SFA adapter (`sieve retrofit "
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "for a Focus adapter; dense,sfa for an SFA one; dense,sfa,soft,hard for a Focus+SFA one; "
                           "dense without one)")
     ppl.add_argument("--top-k", type=int, default=None,
-                     help="Focus: groups per token at inference, overriding the adapter's (a Focus adapter only)")
+                     help="Focus: groups per token at inference, overriding the adapter's (an adapter with Focus)")
     ppl.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
                      help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter trained "
                           "with triton, scored on a CPU with reference)")

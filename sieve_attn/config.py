@@ -34,7 +34,7 @@ class FocusConfig(_Serialisable):
     num_groups: K centroids per layer. group_dim: d_g, the router's projection width. window: w, local pairs
     0 <= i - j <= w always attend. top_k: groups each token keeps at inference. tau: temperature of the router
     logits (applied once). sinkhorn_iters: Sinkhorn iterations in training. gate: soft gate used in training,
-    "log" or "multiplicative" (DESIGN.md, decision 2). gate_lambda: lambda of the multiplicative gate.
+    "log" or "multiplicative" (docs/decisions.md, decision 2). gate_lambda: lambda of the multiplicative gate.
     sink_tokens: the first tokens of every sequence join every group (pretrained models park attention there); in a
     left-padded batch, each row's first real tokens; in a row of packed sequences (position ids that restart, which
     transformers turns into a block-diagonal mask), each sequence's first tokens.
@@ -94,15 +94,16 @@ def sfa_decode_backend(backend: str) -> str:
 
 @dataclass(frozen=True)
 class SFAConfig(_Serialisable):
-    """Sparse Feature Attention settings (arXiv 2603.22300; DESIGN.md decision 5).
+    """Sparse Feature Attention settings (arXiv 2603.22300; docs/decisions.md, decisions 8-12).
 
     topk: coordinates of q and k kept per token and head, by largest |x| after RoPE (q per query head, k per KV
     head); it must not exceed the model's head dim, which :func:`sieve_attn.compose` checks. What a converted model
     loses depends on topk's share of the head dim: SmolLM2-135M (head dim 64) fine-tuned to SFA ends 1.11x the
     dense fine-tune's held-out perplexity at 16, 1.05x at 20, 1.02x at 24 (docs/results.md). feature_map: whether
     each layer maps q and k, after RoPE and before the top-k, by a learned matrix [D, D] per KV head (the same one
-    for the KV head's keys and its query heads' queries), the reading of spec/sfa.md section 5 item 2 for RoPE
-    models: a basis in which q and k concentrate on fewer coordinates, so the top-k keeps more of each score.
+    for the KV head's keys and its query heads' queries), our reading of the paper for RoPE models
+    (docs/decisions.md, decision 9): a basis in which q and k concentrate on fewer coordinates, so the top-k keeps
+    more of each score.
     compose starts it at the identity, :func:`sieve_attn.calibrate_feature_maps` sets it to the principal axes of
     the layer's dense q and k (an orthogonal map, so dense scores are unchanged), and fine-tuning trains it; it
     lives in the adapter. selection: how each vector's top-k is chosen, after the map: "magnitude" (the paper:

@@ -4,7 +4,7 @@ Inputs are random bf16 q, k, v (B=1) and random balanced groups. Each Focus conf
 in the same run before its time is reported; a configuration that fails prints FAIL and reports no speed.
 
 ``--backend`` is the Focus backend of every row. ``--backends`` adds, in prefill (forward and forward+backward), one
-more row per configuration for each further backend (default ``sdpa`` on CUDA, none elsewhere): timed and gated the
+more row per configuration for each further backend (default none): timed and gated the
 same way, on the same inputs, against the same baselines, and marked by the row's ``extra_backend`` (rows of
 ``--backend`` have no such field). Decode rows are only measured for ``--backend``.
 

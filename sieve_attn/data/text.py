@@ -10,7 +10,7 @@ import torch
 
 from .._checks import check_int
 
-# Held out from training, by file. argparse.py is the file the dense baselines of DESIGN.md are quoted on.
+# Held out from training, by file. argparse.py is the file the dense baseline perplexities are quoted on.
 HELD_OUT_STDLIB = ("argparse.py", "typing.py", "tarfile.py", "subprocess.py", "pathlib.py", "inspect.py")
 # Prose, out of the training domain; present on Debian systems.
 GPL3 = Path("/usr/share/common-licenses/GPL-3")

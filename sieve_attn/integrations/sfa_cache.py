@@ -1,4 +1,4 @@
-"""A transformers ``Cache`` that stores SFA's compressed keys: ``model.generate(..., past_key_values=SFACache(model))``.
+"""A transformers ``Cache`` that stores SFA's compressed keys: ``model.generate(..., cache=SFACache(model))``.
 
 Each layer keeps an :class:`~sieve_attn.ops.sfa.cache.SFAKeyCache` (per token and KV head: the key's ``topk``
 (index, value) pairs and the dense V row) and no dense keys. Its ``update`` returns, as key_states, a
@@ -169,8 +169,8 @@ def _integer(count) -> Optional[int]:
 class SFACache(Cache):
     """KV cache of a model composed with an :class:`~sieve_attn.SFAConfig`, holding SFA's compressed keys.
 
-    ``model.generate(ids, past_key_values=SFACache(model), ...)``, or ``model(ids, past_key_values=cache)`` for one
-    forward (transformers versions that renamed the argument ``cache`` take both names): every attention layer
+    ``model.generate(ids, cache=SFACache(model), ...)``, or ``model(ids, cache=cache)`` for one forward
+    (``past_key_values=`` before transformers 5.2x renamed the argument ``cache``): every attention layer
     keeps, per token and KV head, the key's ``topk`` coordinate indices and values (the codes SFA scores with) and
     the dense V row, in an :class:`~sieve_attn.ops.sfa.cache.SFAKeyCache` (``layers[i].store``); no dense key is
     kept. Per token and KV head that is ``layers[i].store.bytes_per_token()`` (302 bytes at head dim 128, topk 16,

@@ -5,7 +5,7 @@ kept in ``best-STEP.safetensors``, the run ending with them).
 Loss = LM loss + ``matching_weight`` * the mean over SFA layers of mean((O_sfa - stopgrad(O_dense))^2), where each
 layer's dense output is computed from the same q, k, v (:class:`~sieve_attn.nn.sfa_layer.SFALayer`), + with a
 teacher ``distill_weight`` * the per-token KL(teacher || model) (:func:`distillation_loss`; not in the paper:
-docs/decisions.md, decision 10). The paper does not report its matching weight (spec/sfa.md section 1), hence the
+docs/decisions.md, decision 10). The paper does not report its matching weight, hence the
 sweep in docs/results.md.
 """
 from __future__ import annotations

@@ -221,7 +221,7 @@ def _resolve(q, k, num_groups, memberships, *, causal, softcap, attn_mask, backe
             and length >= threshold[1] and sdpa_blocker(q, k, softcap, attn_mask, return_lse and needs_grad) is None):
         return "sdpa", (f"{memberships} group(s) per token, {'with' if needs_grad else 'without'} gradients: "
                         f"{group_length} tokens per group and {length} tokens reach SDPA_FROM's {threshold}, where "
-                        f"{calls} are faster")
+                        f"{calls} run faster than the Triton kernels")
     return "triton", "decode step" if q.shape[2] < k.shape[2] else f"{k.shape[2]} keys >= DENSE_BELOW"
 
 

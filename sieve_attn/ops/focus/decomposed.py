@@ -1,7 +1,7 @@
 """Decomposition backend of hard Focus attention (``backend="sdpa"``), forward and backward: the pattern as two
 disjoint pair sets, each computed by fused SDPA-family kernels (:mod:`.sdpa_ops`), merged by log-sum-exp.
 
-- **Group set**: pairs whose tokens share a group, each counted in the lowest group the two share (DESIGN.md,
+- **Group set**: pairs whose tokens share a group, each counted in the lowest group the two share (docs/decisions.md,
   decision 4). Memberships are sorted by (sequence, group, position), one copy of a token per group it is in; each
   non-empty (sequence, group) is a segment, padded at its end to the longest segment's L slots: a batch [S, H, L, D].
   - Causal with one membership per token: ONE batched causal call over all segments (cuDNN, else flash, else the

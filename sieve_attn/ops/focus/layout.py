@@ -1,7 +1,7 @@
 """Tiled layouts of the two disjoint pair sets of the Focus pattern, as the fast kernels walk them.
 
 The hard Focus pattern splits exactly into
-- the **group set**: pairs whose tokens share a group, each counted in the lowest group they share (DESIGN.md,
+- the **group set**: pairs whose tokens share a group, each counted in the lowest group they share (docs/decisions.md,
   decision 4), and
 - the **window set**: pairs inside the local window, 0 <= i - j <= window, whose tokens share no group.
 

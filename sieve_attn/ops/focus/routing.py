@@ -6,7 +6,7 @@ Router logits are L [B, T, K] = (W_g h) C^T / tau (tau applied once). Three read
   but makes a token's membership depend on every other token of the sequence, future ones included.
 - causal soft: softmax_k(L + b), where b [K] are per-group biases. Sinkhorn's result is exactly softmax_k(L + v) for
   column potentials v it accumulates; b is their running average, so causal routing reproduces the balance learned in
-  training while a token's membership depends on nothing but itself (DESIGN.md, decision 1).
+  training while a token's membership depends on nothing but itself (docs/decisions.md, decision 1).
 - causal hard: the top-k groups of L + b.
 
 Sink tokens (the first ``sink_tokens`` tokens of a sequence, which pretrained models use as attention sinks) are

@@ -3,7 +3,7 @@
 Each query and key keeps its ``topk`` coordinates of largest |x| (:mod:`.codes`); V stays dense. The score of a
 pair is ``scale * q_sparse . k_sparse``, a sum over the coordinates the two supports share, so a pair with no
 shared coordinate scores exactly 0 and still receives softmax mass (the paper's claimed identity with
-softmax(Q~K~^T / sqrt(d)) V; spec/sfa.md section 5.1). Masking, softmax and P.V are ordinary attention, computed
+softmax(Q~K~^T / sqrt(d)) V). Masking, softmax and P.V are ordinary attention, computed
 by :func:`sieve_attn.ops.blockwise.blockwise_attention` on the zero-filled q and k, so no Tq x Tk tensor is built
 and positions follow that module's conventions (queries aligned to the end of the keys).
 """
