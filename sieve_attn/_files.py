@@ -3,30 +3,38 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 
 def atomic_write(path, write) -> None:
-    """Calls ``write(tmp)`` on a temporary file in ``path``'s folder (created if missing), flushes it to disk and
-    renames it to ``path``, then flushes the folder, so that ``path`` is the old file or the whole new one even
-    after a power loss. The file gets the permissions a plain ``open`` gives (0666 less the umask).
+    """Calls ``write(tmp)`` on a temporary file in a temporary folder beside ``path`` (``.NAME.<hex>/NAME``; the
+    parent is created if missing), flushes it to disk and renames it to ``path``, then flushes the folder, so that
+    ``path`` is the old file or the whole new one even after a power loss. The file gets the permissions a plain
+    ``open`` gives (0666 less the umask), also where ``write`` replaces it with a file of its own (safetensors
+    writes its own temporary file, 0600, and renames it over the one given): that temporary file then lies in the
+    temporary folder too.
 
-    Temporary files of ``path`` that an earlier writer killed mid-write left behind (``.NAME.*`` beside it) are
-    removed first: one writer per path at a time, as every caller here writes from one process."""
+    Temporary folders and files of ``path`` that an earlier writer killed mid-write left behind (``.NAME.*``
+    beside it) are removed first: one writer per path at a time, as every caller here writes from one process."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*"):
-        stale.unlink(missing_ok=True)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
-    open(tmp, "xb").close()  # created as open() creates files, so the writer's file keeps those permissions
+        shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink(missing_ok=True)
+    folder = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+    folder.mkdir()
+    tmp = folder / path.name
     try:
+        open(tmp, "xb").close()  # created as open() creates files: the permissions the written file gets
+        mode = tmp.stat().st_mode & 0o777
         write(str(tmp))
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as written:
             os.fsync(written.fileno())
         os.replace(tmp, path)
         _fsync_folder(path.parent)
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -228,6 +228,24 @@ def test_atomic_writes_clear_a_killed_writers_leftovers_and_leave_files_others_c
     assert (tmp_path / "checkpoint.pt").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
+def test_a_safetensors_write_killed_midway_leaves_nothing_the_next_write_keeps(tmp_path):
+    """safetensors writes a temporary file of its own (0600) and renames it over the one it was given: it lies in
+    the writer's temporary folder, which the next write of the same path removes, and the file written gets the
+    permissions of a plain open."""
+    from safetensors.torch import save_file
+
+    from sieve_attn._files import atomic_write
+
+    killed = tmp_path / ".adapter.safetensors.5ca1ab1e"
+    killed.mkdir()
+    (killed / ".tmpAbC123").write_bytes(b"half of safetensors' own temporary file")
+    atomic_write(tmp_path / "adapter.safetensors", lambda tmp: save_file({"w": torch.ones(2)}, tmp))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter.safetensors"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "adapter.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
 @pytest.mark.parametrize("field, value", [("checkpoint_every", 0), ("warmup", -1), ("steps", 0)])
 def test_retrofit_refuses_bad_settings(tmp_path, field, value):
     model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=4))
