@@ -323,12 +323,32 @@ def _files(text, split: int) -> list:
 
 
 # What a training command leaves in --out: a later run into the same folder would replace or orphan them.
-RUN_FILES = ("checkpoint.pt", "adapter", "model.safetensors", "result.json", "results.json")
+RUN_FILES = ("checkpoint.pt", "adapter", "model.safetensors", "result.json", "results.json", "results.md",
+             "loss.png")
+# What the training commands read (files or folders): none may be a file a run writes into --out.
+INPUT_OPTIONS = ("model", "init", "teacher", "weights", "sfa_adapter")
 
 
 def _earlier_run(out: Path) -> list[str]:
     """The files of an earlier run in ``out`` (:data:`RUN_FILES`, best-weights files)."""
-    return [name for name in RUN_FILES if (out / name).exists()] + sorted(p.name for p in out.glob("best-*"))
+    best = sorted(p.name for p in out.glob("best-*.safetensors") if re.fullmatch(r"best-\d+\.safetensors", p.name))
+    return [name for name in RUN_FILES if (out / name).exists()] + best
+
+
+def _check_inputs_outside_the_run(args, out: Path) -> None:
+    """Exits when an input option names --out itself or a run file in it (:data:`RUN_FILES`, best weights, inside
+    the adapter folder): the run would write over it or, with --overwrite, delete it after reading it."""
+    out = out.resolve()
+    for option in INPUT_OPTIONS:
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        path = Path(value).expanduser().resolve()
+        inside = path == out or (path.parent == out and (path.name in RUN_FILES or path.name.startswith("best-"))) \
+            or (out / "adapter") in path.parents
+        if inside:
+            raise SystemExit(f"--{option.replace('_', '-')}: expected a path outside the run files of --out (this "
+                             f"run writes them, and --overwrite deletes them), got {str(value)!r}")
 
 
 def _claim_out(args) -> None:
@@ -346,7 +366,11 @@ def _claim_out(args) -> None:
     if args.resume and args.overwrite:
         raise SystemExit("--resume, --overwrite: expected one of them (continue the run in --out, or replace it), "
                          "got both")
+    _check_inputs_outside_the_run(args, out)
     if args.resume and not (out / "checkpoint.pt").is_file():
+        if found:
+            raise SystemExit(f"--resume: expected a checkpoint.pt in --out to continue, got {str(out)!r} holding "
+                             f"{', '.join(found)} without one (a finished run; --overwrite replaces it)")
         print(f"--resume: no checkpoint in {str(out)!r}; starting from step 0", file=sys.stderr)
     if found and not args.resume and not args.overwrite:
         raise SystemExit(f"--out: expected a folder without an earlier run (--resume continues it, --overwrite "
@@ -493,7 +517,8 @@ def _train(model, tokenizer, args, config, settings, weights_digest: str | None 
             load_adapter(model, sfa_adapter, weights_digest=weights_digest)
     windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size)
     _clear_earlier_run(args)
-    return retrofit(model, windows, args.out, settings, resume=args.resume, weights_digest=weights_digest)
+    with _resume_refusals_named():
+        return retrofit(model, windows, args.out, settings, resume=args.resume, weights_digest=weights_digest)
 
 
 def cmd_retrofit(args) -> int:
@@ -698,7 +723,9 @@ def cmd_demo(args) -> int:
     record = {"model": args.model, "context": args.context, "eval_windows": len(held_out),
               "focus_config": model.sieve_config.to_dict(), "train_steps": args.steps,
               "train_tokens": args.steps * args.batch_size * args.context, "router_parameters": params,
-              "rows": rows, "loss_history": result["history"], "seconds": round(time.time() - started, 1),
+              "rows": rows, "loss_history": result["history"],
+              # this invocation's wall time; train_seconds: every step's, those before a --resume included
+              "seconds": round(time.time() - started, 1), "train_seconds": result["train_seconds"],
               "environment": environment(args.device)}
     write_json(record, args.out / "results.json")
     (args.out / "results.md").write_text(table + "\n")
@@ -738,6 +765,24 @@ def _errors_named_by_flag():
         name, sep, rest = str(error).partition(": ")
         name = {"out_dir": "out", "backend": "sfa_backend"}.get(name, name)  # the Python names behind the options
         raise SystemExit(f"--{name.replace('_', '-')}: {rest}" if sep and name.isidentifier() else error) from None
+
+
+# The option behind each entry of a training job's identity (train/loop.py's Job.identity) a resume compares.
+IDENTITY_OPTIONS = {"windows": "--train-text, --context, --steps or --batch-size", "model": "--model",
+                    "base": "--model", "dtype": "--model", "weights": "--weights", "sfa": "--sfa-adapter",
+                    "init": "--init", "teacher": "--teacher", "validation": "--validation-windows"}
+
+
+@contextlib.contextmanager
+def _resume_refusals_named():
+    """Turns a resume refused for an identity the checkpoint does not share (:class:`~sieve_attn.train.loop.
+    ResumeRefused`) into an exit that names the option behind it."""
+    from .train.loop import ResumeRefused
+
+    try:
+        yield
+    except ResumeRefused as error:
+        raise SystemExit(f"--resume ({IDENTITY_OPTIONS.get(error.name, error.name)}): {error}") from None
 
 
 def _check_resumable(args, settings, job: str, configs: dict | None = None) -> None:
@@ -839,8 +884,9 @@ def cmd_finetune(args) -> int:
         calibrate_feature_maps(model, calibration, progress=runtime.is_main)
     before = perplexity(model, held_out, desc="before", progress=runtime.is_main)
     _clear_earlier_run(args)
-    result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
-                      resume=args.resume, init=init)
+    with _resume_refusals_named():
+        result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
+                          resume=args.resume, init=init)
     del teacher  # its device memory, before the final scores
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:
@@ -858,7 +904,9 @@ def cmd_finetune(args) -> int:
                   "ppl_before": before["ppl"], "ppl_after": after["ppl"], "tokens": after["tokens"],
                   "history": result["history"], "validation_windows": 0 if validation is None else len(validation),
                   "validations": result["validations"], "best_step": result["best_step"],
-                  "seconds": round(time.time() - started), "environment": environment(args.device)}
+                  # this invocation's wall time; train_seconds: every step's, those before a --resume included
+                  "seconds": round(time.time() - started), "train_seconds": result["train_seconds"],
+                  "environment": environment(args.device)}
         write_json(record, args.out / "result.json")
         kept = "" if result["best_step"] is None else f" (weights of step {result['best_step']}, the best validation)"
         print(f"{args.method}{'' if args.method == 'dense' else f' top-{args.topk}'}: held-out PPL "

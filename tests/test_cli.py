@@ -288,3 +288,41 @@ def test_resuming_other_methods_or_settings_is_refused_before_the_model_loads(tm
         main([*common, "--method", "dense"])
     with pytest.raises(SystemExit, match="--model: expected"):  # what the checkpoint was trained with: on to the model
         main([*common, "--topk", "4"])
+
+
+def test_a_finished_run_is_not_resumed_over_and_no_input_lies_among_the_run_files(tmp_path):
+    out = tmp_path / "run"
+    (out / "adapter").mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(b"weights a run wrote")
+    (out / "result.json").write_text("{}")
+    common = ["--model", str(tmp_path / "no model here"), "--out", str(out)]
+    with pytest.raises(SystemExit, match="--resume: expected a checkpoint.pt in --out to continue, got .* holding "
+                                         "adapter, model.safetensors, result.json without one"):
+        main(["finetune", *common, "--resume"])
+    with pytest.raises(SystemExit, match="--init: expected a path outside the run files of --out"):
+        main(["finetune", *common, "--overwrite", "--init", str(out / "model.safetensors")])
+    (out / "best-40.safetensors").write_bytes(b"the best weights of a run")
+    with pytest.raises(SystemExit, match="--teacher: expected a path outside the run files of --out"):
+        main(["finetune", *common, "--overwrite", "--teacher", str(out / "best-40.safetensors")])
+    with pytest.raises(SystemExit, match="--model: expected a path outside the run files of --out"):
+        main(["retrofit", "--model", str(out), "--out", str(out), "--overwrite"])
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "best-40.safetensors", "model.safetensors",
+                                                     "result.json"]  # all kept
+
+
+def test_an_unreadable_checkpoint_is_named_before_the_model_loads(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"the first bytes of a checkpoint")
+    with pytest.raises(SystemExit, match="--out: expected a checkpoint a sieve run wrote whole, got .*checkpoint.pt, "
+                                         "which cannot be read"):
+        main(["retrofit", "--model", str(tmp_path / "no model here"), "--out", str(out), "--resume"])
+
+
+def test_a_resume_refused_for_what_the_run_trained_on_names_the_option():
+    from sieve_attn.cli import _resume_refusals_named
+    from sieve_attn.train.loop import ResumeRefused
+
+    with pytest.raises(SystemExit, match=r"^--resume \(--init\): init: expected 'sha256:1', what .* got 'sha256:2'"):
+        with _resume_refusals_named():
+            raise ResumeRefused("init", "'sha256:1', what checkpoint.pt was trained with", "'sha256:2'")

@@ -3,10 +3,12 @@ of what a resumed run must share."""
 from __future__ import annotations
 
 import hashlib
+import pickle
 from pathlib import Path
 
 import torch
 
+from .._checks import fail
 from .._files import atomic_write
 
 
@@ -23,7 +25,13 @@ def load_checkpoint(path) -> dict | None:
     resuming) keeps this version of the file mapped, and its disk space held, until it is freed.
     """
     path = Path(path)
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as error:  # truncated, not a zip
+        fail("out_dir", "a checkpoint a sieve run wrote whole", f"{path}, which cannot be read ({error}); delete it "
+             "to start over")
 
 
 def sampled_digest(tensors: dict[str, torch.Tensor], samples: int = 4096) -> str:

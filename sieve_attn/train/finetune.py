@@ -341,7 +341,7 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
     Returns {"steps", "history": [(step, lm loss, matching term or None, distillation term or None, residual-energy
     term or None)], "weights",
     "validations": [(step, NLL)],
-    "best_step" (None without validation)}.
+    "best_step" (None without validation), "train_seconds" (:func:`~sieve_attn.train.loop.train_seconds`)}.
 
     Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
     same arguments: each trains on its share of every global batch (``batch_size`` must be a multiple of the number of
@@ -398,8 +398,8 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
         layer.matching = settings.matching_weight > 0
         layer.sparsity = settings.sparsity_weight > 0
     try:
-        history, validations = loop.run(job, windows, out_dir, settings, optimizer, runtime,
-                                        device=device, resume=resume, progress=progress)
+        history, validations, step_seconds = loop.run(job, windows, out_dir, settings, optimizer, runtime,
+                                                      device=device, resume=resume, progress=progress)
     finally:
         for layer in every_layer:
             layer.matching = layer.sparsity = False
@@ -412,7 +412,8 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
         _load_full_weights(model, params, load_file(str(out_dir / BEST_WEIGHTS.format(best[0]))), "best weights")
     _save_weights(model, list(own_weights(params)), out_dir / WEIGHTS, runtime)
     return {"steps": settings.steps, "history": _padded(history), "weights": str(out_dir / WEIGHTS),
-            "validations": validations, "best_step": None if best is None else best[0]}
+            "validations": validations, "best_step": None if best is None else best[0],
+            "train_seconds": loop.train_seconds(step_seconds)}
 
 
 def load_weights(model, path, name: str = "weights") -> str:

@@ -114,10 +114,10 @@ def micro_batch_size(settings, runtime) -> int:
 
 
 def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, *, device, resume: bool,
-        progress: bool) -> tuple[list[tuple], list[tuple]]:
-    """Trains steps 0 .. ``settings.steps`` - 1 and returns (history, validations): one tuple (step number from 1,
-    *values of ``job.step``) per step, and one (step number, ``job.validate()``) per validation, from the
-    checkpoint's first when resuming.
+        progress: bool) -> tuple[list[tuple], list[tuple], list]:
+    """Trains steps 0 .. ``settings.steps`` - 1 and returns (history, validations, step seconds): one tuple (step
+    number from 1, *values of ``job.step``) per step, one (step number, ``job.validate()``) per validation, and
+    each step's seconds (below), from the checkpoint's first when resuming.
 
     Step s trains on the global batch of windows ``order[(s * batch_size + i) % N]`` for i < ``batch_size``, where
     ``order`` is a permutation of the N windows drawn from ``settings.seed``; ``runtime.share`` picks this process's
@@ -172,7 +172,13 @@ def run(job: Job, windows: torch.Tensor, out_dir, settings, optimizer, runtime, 
                                                    "settings": asdict(settings), "windows": trained_on,
                                                    "identity": job.identity}, path))
             job.checkpointed(validations)
-    return history, validations
+    return history, validations, step_seconds
+
+
+def train_seconds(step_seconds: list) -> float:
+    """Seconds the steps of a run took, ``step_seconds`` of :func:`run` summed: a resumed run's earlier
+    invocations too (their times come from the checkpoint); steps of a checkpoint that recorded none count 0."""
+    return round(sum(seconds for seconds in step_seconds if seconds is not None), 1)
 
 
 def is_new_best(loss: float, validations: list[tuple]) -> bool:
@@ -228,6 +234,15 @@ def _check_settings_continue(state: dict, settings, path: Path) -> None:
     _check_length(settings, saved.get("steps", settings.steps), state["step"], path)
 
 
+class ResumeRefused(ValueError):
+    """A checkpoint the run cannot continue: ``name`` (an entry of the job's identity, or "windows") differs.
+    A ValueError worded as :func:`~sieve_attn._checks.fail` words it; the commands name their option for it."""
+
+    def __init__(self, name: str, expected: str, got):
+        super().__init__(f"{name}: expected {expected}, got {got}")
+        self.name = name
+
+
 def check_resume_settings(out_dir, settings, job_name: str, model: Optional[dict] = None) -> None:
     """ValueError when the checkpoint in ``out_dir`` (none: nothing to check) is another job's than
     ``job_name``, cannot be continued with ``settings``, or (given ``model``, the job identity's "model": the
@@ -268,10 +283,11 @@ def _resume(job: Job, path: Path, settings, trained_on: str) -> tuple[int, list,
     identity = state.get("identity", {})
     for name, value in job.identity.items():
         if name in identity and identity[name] != value:
-            fail(name, f"{identity[name]!r}, what {path} was trained with", repr(value))
+            raise ResumeRefused(name, f"{identity[name]!r}, what {path} was trained with", repr(value))
     if state.get("windows", trained_on) != trained_on:
-        fail("windows", f"the token windows {path} trained on ({state['windows']}: the same text, context and "
-                        f"number of windows; the sieve commands take --steps x --batch-size of them)", trained_on)
+        raise ResumeRefused("windows", f"the token windows {path} trained on ({state['windows']}: the same text, "
+                                       f"context and number of windows; the sieve commands take --steps x "
+                                       f"--batch-size of them)", trained_on)
     _check_settings_continue(state, settings, path)
     job.restore(state)
     return (state["step"], state["history"], state.get("step_seconds", [None] * state["step"]),

@@ -124,7 +124,8 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     process's share of a batch into micro-batches whose gradients add up (:class:`~.loop.TrainSettings`). The
     trained adapter goes to ``out_dir/adapter``. ``weights_digest``: the digest of fine-tuned weights the model
     was given (:func:`sieve_attn.train.finetune.load_weights`), which a resumed run must share and the adapter
-    records (None: the model's own). Returns {"steps", "history" (list of (step, loss)), "adapter"}.
+    records (None: the model's own). Returns {"steps", "history" (list of (step, loss)), "adapter",
+    "train_seconds" (:func:`~sieve_attn.train.loop.train_seconds`)}.
 
     Under a launcher of several processes (``accelerate launch``, ``torchrun``) every process calls this with the
     same arguments: each trains on its share of every global batch (``batch_size`` must be a multiple of the number of
@@ -156,12 +157,14 @@ def retrofit(model, windows: torch.Tensor, out_dir, settings: RetrofitSettings |
     for layer in focus_layers(model):
         layer.router.train()
     try:
-        history, _ = loop.run(job, windows, out_dir, settings, optimizer, runtime,
-                              device=next(model.parameters()).device, resume=resume, progress=progress)
+        history, _, step_seconds = loop.run(job, windows, out_dir, settings, optimizer, runtime,
+                                            device=next(model.parameters()).device, resume=resume,
+                                            progress=progress)
     finally:
         for layer in focus_layers(model):
             layer.router.eval()
         set_focus_mode(model, inference_mode)
     adapter = Path(out_dir) / "adapter"
     runtime.write(lambda: save_adapter(model, adapter, weights_digest=weights_digest))
-    return {"steps": settings.steps, "history": history, "adapter": str(adapter)}
+    return {"steps": settings.steps, "history": history, "adapter": str(adapter),
+            "train_seconds": loop.train_seconds(step_seconds)}
