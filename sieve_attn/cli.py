@@ -698,6 +698,7 @@ def _compose_saved(model, saved: dict, *, sfa_backend: str) -> None:
 
 
 def cmd_demo(args) -> int:
+    from ._files import atomic_write
     from .eval.plots import plot_loss
     from ._provenance import environment
     from .eval.report import evaluate_modes, format_table, router_parameter_count, write_json
@@ -728,7 +729,7 @@ def cmd_demo(args) -> int:
               "seconds": round(time.time() - started, 1), "train_seconds": result["train_seconds"],
               "environment": environment(args.device)}
     write_json(record, args.out / "results.json")
-    (args.out / "results.md").write_text(table + "\n")
+    atomic_write(args.out / "results.md", lambda tmp: Path(tmp).write_text(table + "\n"))
     plot_loss(result["history"], args.out / "loss.png")
     print(f"wrote {args.out / 'results.json'}, results.md, loss.png in {record['seconds']} s")
     return 0

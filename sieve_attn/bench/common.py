@@ -598,8 +598,7 @@ def plot_modes(rows: list[dict], path: Path, draw: Callable) -> Path:
     for ax, mode in zip(axes[0], modes):
         draw(ax, [r for r in rows if r["mode"] == mode], mode)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))  # the temporary file keeps the name: PNG
     plt.close(fig)
     return path
 

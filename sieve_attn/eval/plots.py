@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .._files import atomic_write
+
 
 def plot_loss(history, path) -> Path:
     """Training loss per step (and its running mean) as a PNG."""
@@ -26,7 +28,6 @@ def plot_loss(history, path) -> Path:
     ax.legend()
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))  # the temporary file keeps the name: PNG
     plt.close(fig)
     return path
