@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
+
+
+TOKEN_BYTES = 4  # random bytes in a temporary folder's name: .NAME.<8 hex digits>
 
 
 def atomic_write(path, write) -> None:
@@ -15,13 +19,15 @@ def atomic_write(path, write) -> None:
     writes its own temporary file, 0600, and renames it over the one given): that temporary file then lies in the
     temporary folder too.
 
-    Temporary folders and files of ``path`` that an earlier writer killed mid-write left behind (``.NAME.*``
-    beside it) are removed first: one writer per path at a time, as every caller here writes from one process."""
+    Temporary folders and files of ``path`` that an earlier writer killed mid-write left behind (``.NAME.<8 hex
+    digits>`` beside it) are removed first: one writer per path at a time, as every caller here writes from one process."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*"):
+        if not re.fullmatch(rf"\.{re.escape(path.name)}\.[0-9a-f]{{{2 * TOKEN_BYTES}}}", stale.name):
+            continue  # not a name this function gives: someone else's file
         shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink(missing_ok=True)
-    folder = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+    folder = path.parent / f".{path.name}.{secrets.token_hex(TOKEN_BYTES)}"
     folder.mkdir()
     tmp = folder / path.name
     try:

@@ -370,7 +370,7 @@ def _claim_out(args) -> None:
     if args.resume and not (out / "checkpoint.pt").is_file():
         if found:
             raise SystemExit(f"--resume: expected a checkpoint.pt in --out to continue, got {str(out)!r} holding "
-                             f"{', '.join(found)} without one (a finished run; --overwrite replaces it)")
+                             f"{', '.join(found)} without one (an earlier run's files; --overwrite replaces them)")
         print(f"--resume: no checkpoint in {str(out)!r}; starting from step 0", file=sys.stderr)
     if found and not args.resume and not args.overwrite:
         raise SystemExit(f"--out: expected a folder without an earlier run (--resume continues it, --overwrite "

@@ -237,8 +237,8 @@ def check_sfa_backend(model: nn.Module, backend: str) -> None:
     if backend == "sdpa" and softcap is not None:
         fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto', 'reference' or "
                         f"'triton'; PyTorch's attention under 'sdpa' has no softcap)", "'sdpa'")
-    windows = [window for window in layer_windows(model) if window is not None]
-    if backend == "triton" and windows:
+    windows = [] if backend != "triton" else [window for window in layer_windows(model) if window is not None]
+    if windows:
         fail("backend", f"an SFA backend that takes a mask, as this model's sliding-window layers pass one past "
                         f"{min(windows)} tokens ('auto', 'reference' or 'sdpa'; the Triton kernels take none)",
              "'triton'")

@@ -1,6 +1,7 @@
 """Focus attached to one attention layer: router, routing of cached tokens, and the attention it computes."""
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
@@ -130,13 +131,16 @@ class FocusLayer(nn.Module):
     def _sink_starts(self, this_pass: "_Pass", start: int, attn_mask, q_len: int, k_len: int) -> Optional[list]:
         """Each row's document starts (the sinks start there; :func:`~sieve_attn.ops.focus.routing.document_starts`),
         None where every row has one, at 0: those of the tokens before this pass (kept with the cache's routing)
-        and those ``attn_mask`` shows in this pass when it holds more than one token, one host read per such pass.
-        A one-token pass (a decode step) continues its row's last document."""
+        and those ``attn_mask`` shows in this pass, one host read per pass, except in a one-token pass (a decode
+        step) once every row has begun: it continues its row's last document."""
         if not self.config.sink_tokens:
             return None
         past = None if not start else self._kept(this_pass.cache)
         earlier = None if past is None else past.sink_starts
-        if attn_mask is None or q_len == 1:
+        # A decode step reads nothing once every row has begun; while a row has seen only pads (a left-padded
+        # prompt fed token by token), its start may come in this one token.
+        begun = earlier is None or all(earlier)
+        if attn_mask is None or (q_len == 1 and start and begun):
             return earlier
         batch = this_pass.logits.shape[0]
         found = document_starts(attn_mask, start, k_len)
@@ -180,9 +184,10 @@ class FocusLayer(nn.Module):
 
 
     def _kept(self, cache) -> Optional["_Routed"]:
-        """The routing this layer kept for the tokens of ``cache`` under its current settings, or None."""
+        """The routing this layer kept for the tokens of ``cache`` under its current settings, or None (also for
+        a cache pickled and loaded again: the layer it named is not known there)."""
         kept = None if cache is None else getattr(cache, _ROUTING_ATTR, {}).get(id(self))
-        if kept is None or kept.owner() is not self or kept.version != self._routing_version:
+        if kept is None or kept.owner is None or kept.owner() is not self or kept.version != self._routing_version:
             return None
         return kept
 
@@ -226,6 +231,18 @@ class _Routed:
     sink_starts: Optional[list] = None
     owner: Optional[weakref.ref] = None  # the FocusLayer that kept it
     version: int = 0  # its _routing_version then
+
+    def __getstate__(self) -> dict:
+        """Pickling a cache keeps the routing but not the layer it belongs to (a weak reference cannot be)."""
+        return dict(self.__dict__, owner=None)
+
+    def __deepcopy__(self, memo: dict) -> "_Routed":
+        """A copied cache's routing still belongs to the same layer (its owner stays)."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update({name: value if name == "owner" else copy.deepcopy(value, memo)
+                               for name, value in self.__dict__.items()})
+        return clone
 
 
 def _length(routing) -> int:

@@ -302,6 +302,21 @@ def test_compose_refuses_the_triton_backend_on_a_model_with_sliding_windows(arch
     sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4, backend="triton"))
 
 
+def test_only_the_triton_backend_needs_the_layers_windows(monkeypatch):
+    """A hybrid model (linear-attention cache layers beside attention ones) has no windows to read; only the
+    Triton backend asks for them."""
+    import sieve_attn.integrations.transformers as integration
+
+    def unreadable(model):
+        raise ValueError("model: expected full or sliding-window attention layers, got a LinearAttentionLayer")
+
+    monkeypatch.setattr(integration, "layer_windows", unreadable)
+    for backend in ("auto", "reference", "sdpa"):
+        sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4, backend=backend))
+    with pytest.raises(ValueError, match="LinearAttentionLayer"):
+        sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4, backend="triton"))
+
+
 # (attn_mask passed, backend auto takes on CUDA) of a tiny model's calls: Mistral's sliding window and Gemma-2's local
 # layer pass a mask (window 8 < 40 tokens), which sdpa takes; Gemma-2 caps its logits, so its global layer takes the
 # Triton kernels and its local one, masked, the reference (neither sdpa nor the kernels compute it).

@@ -233,6 +233,30 @@ def test_left_padding_degenerate_equals_original(arch):
     torch.testing.assert_close(got[1, pad:], expected[1, pad:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunks", [(5, 31), (1,) * 36, (9, 1, 26), (8, 1, 1, 26)],
+                         ids=["5+31", "token by token", "pads, then the first real token alone", "pad alone"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_a_left_padded_prompt_fed_in_chunks_scores_as_one_forward(arch, chunks):
+    """A cache filled chunk by chunk, a chunk as small as one token, gives each real position the full forward's
+    logits: a row's sinks start where its first real token comes, in whatever pass it comes."""
+    from transformers import DynamicCache
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=2, top_k=1, sink_tokens=2))
+    ids, mask, position_ids, pad = _left_padded(random_ids(1, 36, seed=3), random_ids(1, 27, seed=4))
+    full = _logits(model, ids, attention_mask=mask, position_ids=position_ids)
+    cache, parts, start = DynamicCache(config=model.config), [], 0
+    with torch.no_grad():
+        for size in chunks:
+            end = start + size
+            parts.append(model(ids[:, start:end], attention_mask=mask[:, :end], position_ids=position_ids[:, start:end],
+                               **{cache_keyword(model): cache}).logits)
+            start = end
+    got = torch.cat(parts, dim=1)
+    torch.testing.assert_close(got[0], full[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1, pad:], full[1, pad:], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("sfa", [False, True])
 @pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("mode", ["hard", "soft"])
@@ -332,6 +356,18 @@ def test_activation_checkpointing_changes_no_gradient_and_no_bias(train_routing,
     for expected, got in zip(plain, checkpointed):
         for a, b in zip(expected, got):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cache_pickles_after_a_focus_pass_and_a_loaded_copy_is_refused_clearly():
+    from transformers import DynamicCache
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(random_ids(1, 14), **{cache_keyword(model): cache})
+    loaded = pickle.loads(pickle.dumps(cache))
+    assert loaded.get_seq_length() == 14
+    with pytest.raises(RuntimeError, match="the KV cache holds 14 tokens but the router has seen 0"):
+        model(random_ids(1, 2, seed=5), **{cache_keyword(model): loaded})
 
 
 def test_a_composed_model_pickles_and_copies():
