@@ -39,6 +39,9 @@ def atomic_write(path, write) -> None:
             os.fsync(written.fileno())
         os.replace(tmp, path)
         _fsync_folder(path.parent)
+    except (OSError, RuntimeError) as error:  # a full disk reaches torch.save's writer as a RuntimeError
+        raise OSError(f"{path}: could not be written ({error}); the file there before, if any, is as it was") \
+            from error
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -228,6 +228,21 @@ def test_atomic_writes_clear_a_killed_writers_leftovers_and_leave_files_others_c
     assert (tmp_path / "checkpoint.pt").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
+def test_a_failed_write_names_the_file_and_keeps_the_one_before(tmp_path):
+    from sieve_attn._files import atomic_write
+
+    save_checkpoint({"step": 1}, tmp_path / "checkpoint.pt")
+
+    def full_disk(tmp):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 0")
+
+    with pytest.raises(OSError, match=r"checkpoint.pt: could not be written \(\[enforce fail.*\); the file there "
+                                      r"before, if any, is as it was"):
+        atomic_write(tmp_path / "checkpoint.pt", full_disk)
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
 def test_a_safetensors_write_killed_midway_leaves_nothing_the_next_write_keeps(tmp_path):
     """safetensors writes a temporary file of its own (0600) and renames it over the one it was given: it lies in
     the writer's temporary folder, which the next write of the same path removes, and the file written gets the
