@@ -162,11 +162,14 @@ class FocusLayer(nn.Module):
             known = None if routing is None else _length(routing)
             if known is None or _batch(routing) != _batch(current) or known < start or \
                     type(routing) is not type(current):
+                rows = "" if routing is None or _batch(routing) == _batch(current) else (
+                    "; rows repeated or selected by hand (batch_repeat_interleave, batch_select_indices) must go "
+                    "through model._reorder_cache(cache, indices), which moves their routing too")
                 raise RuntimeError(f"FocusLayer: the KV cache holds {start} tokens but the router has seen "
                                    f"{known or 0} of this cache's (batch {None if routing is None else _batch(routing)}"
                                    f", now {_batch(current)}); run the whole prompt through the composed model "
-                                   f"with this cache (the routing of cached tokens is kept per cache, and a change "
-                                   f"of the Focus settings forgets it)")
+                                   f"with this cache (the routing of cached tokens is kept with the cache, and a "
+                                   f"change of the Focus settings forgets it){rows}")
             if this_pass.rows_before != past.rows and start >= past.length:
                 raise RuntimeError("FocusLayer: the KV cache's batch rows were reordered, selected or repeated "
                                    "between passes other than by generate's beam search; the routing of the cached "

@@ -518,6 +518,28 @@ def test_beam_search_over_a_left_padded_batch_keeps_each_rows_sinks():
     torch.testing.assert_close(cached.sequences_scores[3:], alone.sequences_scores, rtol=0, atol=1e-5)
 
 
+def test_a_prompt_cache_repeated_for_several_continuations():
+    """Rows repeated through the model's _reorder_cache carry their routing: each continues as the repeated
+    prompt would; repeated by the cache's own batch_repeat_interleave, they are refused, naming the way that works."""
+    from transformers import DynamicCache
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE))
+    prompt, suffixes = random_ids(1, 14), random_ids(2, 3, seed=5)
+    name = cache_keyword(model)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(prompt, **{name: cache})
+        model._reorder_cache(cache, torch.tensor([0, 0]))
+        continued = model(suffixes, **{name: cache}).logits
+    whole = _logits(model, torch.cat([prompt.expand(2, -1), suffixes], dim=1))[:, -3:]
+    torch.testing.assert_close(continued, whole, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(prompt, **{name: cache})
+        cache.batch_repeat_interleave(2)
+        with pytest.raises(RuntimeError, match=r"\(batch 1, now 2\).*must go through model._reorder_cache"):
+            model(suffixes, **{name: cache})
+
+
 def test_rows_reordered_outside_beam_search_are_refused():
     """Rows reordered other than through the model's ``_reorder_cache`` leave the kept routing behind: refused."""
     model = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=2, top_k=1))
