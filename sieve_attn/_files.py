@@ -20,7 +20,8 @@ def atomic_write(path, write) -> None:
     temporary folder too.
 
     Temporary folders and files of ``path`` that an earlier writer killed mid-write left behind (``.NAME.<8 hex
-    digits>`` beside it) are removed first: one writer per path at a time, as every caller here writes from one process."""
+    digits>`` beside it) are removed first: one writer per path at a time, as every caller here writes from one
+    process."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*"):

@@ -185,7 +185,6 @@ class FocusLayer(nn.Module):
             self._keep(this_pass.cache, _Routed(kept, rows, start + _length(current), sink_starts))
         return history.last(k_len) if isinstance(history, FocusGroups) else history[:, history.shape[1] - k_len:]
 
-
     def _kept(self, cache) -> Optional["_Routed"]:
         """The routing this layer kept for the tokens of ``cache`` under its current settings, or None (also for
         a cache pickled and loaded again: the layer it named is not known there)."""

@@ -377,7 +377,8 @@ def test_a_composed_model_pickles_and_copies():
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
-    for copy in (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False), copy_module.deepcopy(model)):
+    copies = (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False), copy_module.deepcopy(model))
+    for copy in copies:
         torch.testing.assert_close(_logits(copy, ids), expected, rtol=0, atol=0)
         out = copy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
         assert out.shape == (ids.shape[0], ids.shape[1] + 3)
