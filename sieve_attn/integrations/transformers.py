@@ -235,8 +235,9 @@ def check_sfa_backend(model: nn.Module, backend: str) -> None:
     (they pass a mask, which the kernels do not take)."""
     softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
     if backend == "sdpa" and softcap is not None:
-        fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto', 'reference' or "
-                        f"'triton'; PyTorch's attention under 'sdpa' has no softcap)", "'sdpa'")
+        fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto' or 'reference', "
+                        f"and 'triton' without sliding-window layers; PyTorch's attention under 'sdpa' has no "
+                        f"softcap)", "'sdpa'")
     windows = [] if backend != "triton" else [window for window in layer_windows(model) if window is not None]
     if windows:
         fail("backend", f"an SFA backend that takes a mask, as this model's sliding-window layers pass one past "
