@@ -329,24 +329,27 @@ RUN_FILES = ("checkpoint.pt", "adapter", "model.safetensors", "result.json", "re
 INPUT_OPTIONS = ("model", "init", "teacher", "weights", "sfa_adapter")
 
 
+def _is_run_file(name: str) -> bool:
+    """Whether ``name`` is one a training command writes into --out (:data:`RUN_FILES`, best-weights files)."""
+    return name in RUN_FILES or re.fullmatch(r"best-\d+\.safetensors", name) is not None
+
+
 def _earlier_run(out: Path) -> list[str]:
-    """The files of an earlier run in ``out`` (:data:`RUN_FILES`, best-weights files)."""
-    best = sorted(p.name for p in out.glob("best-*.safetensors") if re.fullmatch(r"best-\d+\.safetensors", p.name))
+    """The files of an earlier run in ``out`` (:func:`_is_run_file`)."""
+    best = sorted(p.name for p in out.glob("best-*.safetensors") if _is_run_file(p.name))
     return [name for name in RUN_FILES if (out / name).exists()] + best
 
 
 def _check_inputs_outside_the_run(args, out: Path) -> None:
-    """Exits when an input option names --out itself or a run file in it (:data:`RUN_FILES`, best weights, inside
-    the adapter folder): the run would write over it or, with --overwrite, delete it after reading it."""
+    """Exits when an input option names --out itself or a run file in it (:func:`_is_run_file`, or inside the
+    adapter folder): the run would write over it or, with --overwrite, delete it after reading it."""
     out = out.resolve()
     for option in INPUT_OPTIONS:
         value = getattr(args, option, None)
         if value is None:
             continue
         path = Path(value).expanduser().resolve()
-        inside = path == out or (path.parent == out and (path.name in RUN_FILES or path.name.startswith("best-"))) \
-            or (out / "adapter") in path.parents
-        if inside:
+        if path == out or (path.parent == out and _is_run_file(path.name)) or (out / "adapter") in path.parents:
             raise SystemExit(f"--{option.replace('_', '-')}: expected a path outside the run files of --out (this "
                              f"run writes them, and --overwrite deletes them), got {str(value)!r}")
 

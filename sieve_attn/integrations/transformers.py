@@ -238,7 +238,7 @@ def check_sfa_backend(model: nn.Module, backend: str) -> None:
         fail("backend", f"an SFA backend that caps logits, as this model does at {softcap} ('auto' or 'reference', "
                         f"and 'triton' without sliding-window layers; PyTorch's attention under 'sdpa' has no "
                         f"softcap)", "'sdpa'")
-    windows = [] if backend != "triton" else [window for window in layer_windows(model) if window is not None]
+    windows = [window for window in layer_windows(model) if window is not None] if backend == "triton" else []
     if windows:
         fail("backend", f"an SFA backend that takes a mask, as this model's sliding-window layers pass one past "
                         f"{min(windows)} tokens ('auto', 'reference' or 'sdpa'; the Triton kernels take none)",
