@@ -132,18 +132,19 @@ class FocusLayer(nn.Module):
         """Each row's document starts (the sinks start there; :func:`~sieve_attn.ops.focus.routing.document_starts`),
         None where every row has one, at 0: those of the tokens before this pass (kept with the cache's routing)
         and those ``attn_mask`` shows in this pass, one host read per pass, except in a one-token pass (a decode
-        step) once every row has begun: it continues its row's last document."""
-        if not self.config.sink_tokens:
-            return None
-        past = None if not start else self._kept(this_pass.cache)
+        step) once every row has begun: it continues its row's last document. The read also refuses a mask Focus
+        cannot follow (a tree of draft tokens), with sink tokens or without."""
+        past = None if not (start and self.config.sink_tokens) else self._kept(this_pass.cache)
         earlier = None if past is None else past.sink_starts
         # A decode step reads nothing once every row has begun; while a row has seen only pads (a left-padded
         # prompt fed token by token), its start may come in this one token.
         begun = earlier is None or all(earlier)
-        if attn_mask is None or (q_len == 1 and start and begun):
+        if attn_mask is None or (q_len == 1 and (start and begun or not self.config.sink_tokens)):
             return earlier
-        batch = this_pass.logits.shape[0]
         found = document_starts(attn_mask, start, k_len)
+        if not self.config.sink_tokens:
+            return None
+        batch = this_pass.logits.shape[0]
         found = found * (batch // len(found))  # a mask shared by the rows: the same starts in each
         if start:
             found = [before + now for before, now in zip(earlier or [[0]] * batch, found)]

@@ -277,6 +277,56 @@ def test_packed_sequences_match_each_alone(arch, mode, sinks, sfa):
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
 
 
+def _draft_tree_mask(prompt: int, parents: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [1, 1, n, prompt + n], depths [n]) for n draft tokens after a cached prompt of ``prompt`` tokens;
+    ``parents[i]`` is draft i's parent draft (None: it follows the prompt's last token). The mask is additive
+    (float32, 0 = attend), the form eager attention takes."""
+    mask = torch.zeros(len(parents), prompt + len(parents), dtype=torch.bool)
+    mask[:, :prompt] = True
+    depths = []
+    for draft in range(len(parents)):
+        ancestor, depth = draft, -1
+        while ancestor is not None:
+            mask[draft, prompt + ancestor], ancestor, depth = True, parents[ancestor], depth + 1
+        depths.append(depth)
+    return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None], torch.tensor(depths)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_drafts_verified_over_a_cache_score_as_their_path_or_are_refused_as_a_tree(arch, mode, sinks):
+    """Speculative decoding verifies draft tokens in one pass over the prompt's cache under a 4D mask. A chain of
+    drafts gives the logits of the prompt and drafts in one forward; a tree (two drafts after one token) is refused
+    naming the mask, since Focus's window counts key slots and a branch's drafts would see another window than on
+    their own path. Without Focus the tree scores each path."""
+    from transformers import DynamicCache
+    model = tiny_model(arch)
+    plain = eager_copy(model)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=2, top_k=1, sink_tokens=sinks, mode=mode))
+    prompt, drafts = random_ids(1, 20, seed=3), random_ids(1, 4, seed=5)
+
+    def verify(network, parents):
+        mask, depths = _draft_tree_mask(prompt.shape[1], parents)
+        cache = DynamicCache(config=network.config)
+        with torch.no_grad():
+            network(prompt, **{cache_keyword(network): cache})
+            return network(drafts, attention_mask=mask, position_ids=prompt.shape[1] + depths[None],
+                           **{cache_keyword(network): cache}).logits
+
+    chain = verify(model, [None, 0, 1, 2])
+    torch.testing.assert_close(chain, _logits(model, torch.cat([prompt, drafts], 1))[:, 20:], rtol=0, atol=1e-5)
+    tree = [None, None, 0, 1]  # paths 0-2 and 1-3
+    with pytest.raises(ValueError, match="attn_mask: .*Focus's window counts key slots.* position 21 attends earlier "
+                                         "tokens but not position 20"):
+        verify(model, tree)
+    scored = verify(plain, tree)
+    for path in ([0, 2], [1, 3]):
+        alone = _logits(plain, torch.cat([prompt, drafts[:, path]], 1))[:, 20:]
+        torch.testing.assert_close(scored[:, path], alone, rtol=0, atol=1e-5)
+
+
 # 4. Causality.
 
 def _future_changed(ids: torch.Tensor, last: int = 5) -> torch.Tensor:

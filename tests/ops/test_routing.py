@@ -6,6 +6,7 @@ import torch
 
 from sieve_attn import focus_attention
 from sieve_attn.ops.focus.reference import count_attended_pairs
+from sieve_attn.ops.focus import routing
 from sieve_attn.ops.focus.routing import (causal_log_assign, document_starts, hard_groups, sink_positions, sinkhorn,
                                           with_sinks_soft)
 
@@ -184,6 +185,41 @@ def test_document_starts_from_masks():
     assert document_starts(full[..., 5:, :], 5, 9) == [[6]]
     assert document_starts(full[..., 5:, 5:], 5, 4) == [[6]]
     assert document_starts(full[..., 6:, 6:], 6, 3) == [[]]  # 6's predecessor is gone: it continues
+
+
+def test_document_starts_read_in_chunks_of_queries(monkeypatch):
+    """The mask is read a few query rows at a time; chunks that split a document give the starts read at once."""
+    masks = torch.cat([_causal_mask(11, [4, 2, 5]), _causal_mask(11, [3, 6], pads=2)])
+    expected = [[0, 4, 6], [2, 5]]
+    for rows_per_read in (1, 3, 4, 11):
+        monkeypatch.setattr(routing, "_ROWS_PER_READ", rows_per_read)
+        assert document_starts(masks, 0, 11) == expected
+        assert document_starts(masks[..., 5:, :], 5, 11) == [[6], [5]]
+
+
+def test_a_tree_of_draft_tokens_is_refused_and_a_masked_token_is_skipped():
+    """Speculative decoding's tree mask: after a 4-token prompt, drafts 4 and 5 both follow token 3, 6 follows 4 and
+    7 follows 5. Draft 5 attends the prompt but not draft 4: Focus's window counts slots, so it would see another
+    window than on its own path; refused. A token masked out (it attends not even itself, as transformers masks a
+    0 of the attention mask) is no such token: the one after it continues the sequence."""
+    parents = {4: 3, 5: 3, 6: 4, 7: 5}
+    tree = torch.ones(8, 8).tril().bool()
+    tree[4:, 4:] = torch.eye(4, dtype=torch.bool)
+    for token, parent in parents.items():
+        while parent >= 4:
+            tree[token, parent] = True
+            parent = parents[parent]
+    assert not tree[5, 4] and not tree[7, 6] and tree[7, 5] and tree[7, 3]
+    for queries, start in ((tree, 0), (tree[4:], 4)):
+        with pytest.raises(ValueError, match=r"attn_mask: .*window.* position 5 attends earlier tokens but not "
+                                             r"position 4"):
+            document_starts(queries[None, None], start, 8)
+    holed = _causal_mask(8, [8])
+    holed[..., 3] = False  # token 3 masked out as a key, its own row too
+    assert document_starts(holed, 0, 8) == [[0]]
+    assert document_starts(holed[..., 2:, :], 2, 8) == [[]]
+    with pytest.raises(ValueError, match=r"attn_mask: expected one column per key present \(8\), got 9 columns"):
+        document_starts(_causal_mask(9, [9])[..., 1:, :], 1, 8)
 
 
 # ----------------------------------------------------------------------------------------------------------------
