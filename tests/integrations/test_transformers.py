@@ -327,6 +327,28 @@ def test_drafts_verified_over_a_cache_score_as_their_path_or_are_refused_as_a_tr
         torch.testing.assert_close(scored[:, path], alone, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_prompt_lookup_generation_equals_recomputation(arch, mode, monkeypatch):
+    """Assisted generation (prompt lookup) verifies a chain of drafts in one pass, then crops the rejected ones from
+    the dynamic cache; the routing kept for cached tokens follows by position, so the tokens are those of
+    recomputing the whole sequence at every step."""
+    from transformers import DynamicCache
+    dropped, real_crop = [], DynamicCache.crop
+    monkeypatch.setattr(DynamicCache, "crop", lambda cache, length: (
+        dropped.append(cache.get_seq_length() - length), real_crop(cache, length))[1])
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=2, mode=mode))
+    part = random_ids(1, 10, seed=2)
+    prompt = torch.cat([part, part, part], dim=1)  # repeats, so prompt lookup finds drafts
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
+                             prompt_lookup_num_tokens=4)
+    assert torch.equal(out, greedy_recompute(model, prompt, 16))
+    assert max(dropped) > 0  # rejected drafts were cropped
+
+
 # 4. Causality.
 
 def _future_changed(ids: torch.Tensor, last: int = 5) -> torch.Tensor:
