@@ -34,6 +34,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FORMAT = 1
 
 
+# Both run outside torch.compile's graphs (a graph break around each): their host-side bookkeeping (where a pass
+# starts, the routing kept for cached tokens, document starts) reads the cache's length as a Python int, which
+# dynamo would either refuse (a symbolic length) or guard on, recompiling every decode step. The model's other
+# work (projections, MLPs) still compiles; transformers' generate compiles a static cache's decode step on CUDA.
+@torch.compiler.disable
 def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                             sliding_window=None, softcap=None, **kwargs):
     """transformers attention-interface function: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> ([B, Tq, Hq, D], None).
@@ -153,6 +158,7 @@ def set_focus_mode(model: nn.Module, mode: str) -> nn.Module:
     return reconfigure(model, mode=mode)
 
 
+@torch.compiler.disable  # see sieve_attention_forward
 def _observe_pass(module, args, kwargs):
     """Forward pre-hook of every composed attention module: notes where this pass starts in the sequence (for
     :func:`_filled_slots`) and hands a Focus layer the pass's hidden states."""

@@ -498,6 +498,32 @@ def test_kv_cache_generation_equals_recomputation(arch, mode):
     assert torch.equal(out.sequences, greedy_recompute(model, prompt, new))
 
 
+@pytest.mark.parametrize("methods", ["focus", "sfa", "focus+sfa"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_generate_compiles_a_static_cache_decode_step(arch, methods):
+    """transformers' generate compiles the decode step over a static cache (on CUDA by default; here on the CPU, as
+    its private switch allows, with the aot_eager backend, no C compiler needed). The attention runs outside the
+    graphs: the decode gives recomputation's tokens, and the step compiles once, not once per cache length."""
+    from transformers import CompileConfig
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    configs = {"focus": sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=2), "sfa": sa.SFAConfig(topk=4)}
+    sa.compose(model, *(configs[method] for method in methods.split("+")))
+    prompt = random_ids(2, 20, seed=7)
+    compile_config = CompileConfig(backend="aot_eager", mode="default")
+    compile_config._compile_all_devices = True
+    graphs = []
+    for new in (4, 10):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                                 cache_implementation="static", compile_config=compile_config)
+        assert torch.equal(out, greedy_recompute(model, prompt, new))
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0]
+
+
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 def test_each_cache_keeps_its_own_routing(mode):
     """The routing of cached tokens belongs to their cache: prefilling another cache, scoring other text without
