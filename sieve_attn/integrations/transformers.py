@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .._checks import check_tensors_fit, fail
+from .._checks import check_tensors_fit, fail, fail_where, nan_checks_skipped
 from .._files import atomic_write
 from ..config import FOCUS_INFERENCE_FIELDS, SFA_INFERENCE_FIELDS, FocusConfig, SFAConfig
 from ..nn.focus_layer import FocusLayer
@@ -61,14 +61,28 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         fail("output_attentions", "False (sieve attention never builds the attention weights)", True)
     if not getattr(module, "is_causal", True):
         fail("module", "a causal (decoder) attention module", type(module).__name__)
+    if kwargs.get("s_aux") is not None:
+        fail("s_aux", "None (sieve attention has no learned attention sinks)", "a tensor")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask == 0  # additive float mask: 0 where attended
+        attention_mask = _boolean_mask(attention_mask)
     key, value, attention_mask = _filled_slots(key, value, attention_mask, getattr(module, START_ATTR, None),
                                                query.shape[2])
     query, key, value = in_autocast_dtype(query, key, value)
     kwargs = dict(attn_mask=attention_mask, scale=scaling, softcap=softcap)
     out = sfa.attend(query, key, value, focus=focus, **kwargs) if sfa else focus.attend(query, key, value, **kwargs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _boolean_mask(additive: torch.Tensor) -> torch.Tensor:
+    """True where an additive float mask holds 0 (attend). Its other entries must mask (the dtype's minimum or
+    -inf, as transformers builds masks): a finite bias such as ALiBi's would be lost, so it is refused, where value
+    checks run (not inside :func:`sieve_attn.skip_nan_checks`)."""
+    attended = additive == 0
+    if not nan_checks_skipped():
+        fail_where([("attention_mask", "an additive mask of 0 (attend) and -inf or the dtype's minimum (Focus and "
+                     "SFA add no bias to the logits)", "other values (a position bias such as ALiBi?)",
+                     (~attended & (additive > torch.finfo(additive.dtype).min)).any())])
+    return attended
 
 
 def in_autocast_dtype(*tensors):
@@ -296,6 +310,13 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     if sfa is not None and focus is None:
         check_sfa_backend(model, sfa.backend)
     modules = attention_modules(model)
+    check_attention_fits(model, modules)
+    _register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:  # transformers only warns
+        fail("model", "a model whose attention runs through transformers' attention interface",
+             f"{type(model).__name__}, which computes attention itself (its attention implementation stays "
+             f"{model.config._attn_implementation!r})")
     text = model.config.get_text_config()
     device = next(model.parameters()).device
     for param in model.parameters():
@@ -309,10 +330,26 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     if focus is not None:
         routed = [(module.layer_idx, getattr(module, LAYER_ATTR)) for _, module in modules]
         model._reorder_cache = functools.partial(_reorder_cache, getattr(model, "_reorder_cache", None), routed)
-    _register()
-    model.set_attn_implementation(ATTENTION_NAME)
     model.sieve_config, model.sieve_sfa_config = focus, sfa
     return model
+
+
+def check_attention_fits(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+    """ValueError naming ``model`` when its attention is not what Focus and SFA replace, causal softmax attention
+    over q k^T with nothing added to the logits but a mask: position biases (ALiBi: Falcon with ``alibi=True``),
+    learned per-head attention sinks (GPT-OSS) and non-causal attention modules (an encoder's, cross-attention) are
+    refused. (:func:`compose` refuses besides a model whose attention ignores transformers' attention interface,
+    BLOOM's or MPT's, once transformers declines to switch it.)"""
+    if getattr(model.config.get_text_config(), "alibi", False):
+        fail("model", "a model without ALiBi position biases (Focus and SFA add nothing to the logits)",
+             f"{type(model).__name__} with alibi=True")
+    for name, module in modules:
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            fail("model", "attention without learned attention sinks (Focus and SFA have none)",
+                 f"{name}.sinks in {type(model).__name__}")
+        if not getattr(module, "is_causal", True):
+            fail("model", "causal (decoder) self-attention modules only",
+                 f"{name} ({type(module).__name__}, not causal)")
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

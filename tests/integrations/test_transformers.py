@@ -21,10 +21,10 @@ from sieve_attn.nn.focus_layer import FocusLayer
 from sieve_attn.nn.router import FocusRouter
 
 try:
-    from tests.models import (ARCHS, SEQ, SLIDING, eager_copy, random_ids, skip_without_cpu_kernels, threads,
+    from tests.models import (ARCHS, SEQ, SLIDING, VOCAB, eager_copy, random_ids, skip_without_cpu_kernels, threads,
                               tiny_model)
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
-    from models import ARCHS, SEQ, SLIDING, eager_copy, random_ids, skip_without_cpu_kernels, threads, tiny_model
+    from models import ARCHS, SEQ, SLIDING, VOCAB, eager_copy, random_ids, skip_without_cpu_kernels, threads, tiny_model
 
 MODES = ("train", "soft", "hard", "dense")
 SPARSE = dict(num_groups=4, window=4, top_k=2)
@@ -870,6 +870,56 @@ def test_compose_refuses_twice_and_bad_configs():
         assert all(p.requires_grad for p in plain.parameters())  # a refused compose changes nothing
         assert plain.config._attn_implementation != "sieve_focus"
 
+
+
+def _unfit_model(kind: str):
+    """A tiny model whose attention Focus and SFA cannot replace."""
+    import transformers as tf
+    small = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if kind == "bloom":  # computes attention itself
+        return tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4))
+    if kind == "falcon-alibi":
+        return tf.FalconForCausalLM(tf.FalconConfig(**small, alibi=True))
+    if kind == "gpt-oss":
+        return tf.GptOssForCausalLM(tf.GptOssConfig(**small, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+                                                    num_local_experts=4, num_experts_per_tok=2))
+    return tf.BartForConditionalGeneration(tf.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1,
+                                                         decoder_layers=1, encoder_attention_heads=2,
+                                                         decoder_attention_heads=2, encoder_ffn_dim=32,
+                                                         decoder_ffn_dim=32, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("bloom", "model: expected a model whose attention runs through transformers' attention interface, got "
+              "BloomForCausalLM, which computes attention itself"),
+    ("falcon-alibi", "model: expected a model without ALiBi position biases .*got FalconForCausalLM with alibi=True"),
+    ("gpt-oss", "model: expected attention without learned attention sinks .*got model.layers.0.self_attn.sinks"),
+    ("bart", "model: expected causal \\(decoder\\) self-attention modules only, got "
+             "model.encoder.layers.0.self_attn \\(BartAttention, not causal\\)")])
+def test_compose_refuses_attention_it_cannot_replace(kind, message):
+    """Each of these composed silently before, and then ran its own attention unchanged (BLOOM), dropped a bias
+    or the learned sinks from the logits (Falcon with ALiBi, GPT-OSS), or failed only when generating (BART)."""
+    model = _unfit_model(kind).eval()
+    with pytest.raises(ValueError, match=message):
+        sa.compose(model, sa.FocusConfig(**SPARSE))
+    assert all(p.requires_grad for p in model.parameters())  # nothing changed
+    assert not any(name.endswith(".sieve_focus") for name, _ in model.named_modules())
+
+
+def test_an_additive_mask_with_a_bias_is_refused():
+    """A float mask passed by hand must only mask (0 or the dtype's minimum): a finite bias such as ALiBi's would be
+    lost. Inside skip_nan_checks nothing reads the mask's values."""
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE))
+    ids = random_ids(1, 12)
+    causal = torch.ones(12, 12).tril().bool()
+    additive = torch.zeros(12, 12).masked_fill(~causal, torch.finfo(torch.float32).min)
+    torch.testing.assert_close(_logits(model, ids, attention_mask=additive[None, None]), _logits(model, ids),
+                               rtol=0, atol=1e-6)
+    biased = additive - 0.5 * (torch.arange(12)[:, None] - torch.arange(12)[None]).clamp_min(0)
+    with pytest.raises(ValueError, match="attention_mask: expected an additive mask of 0 .*got other values"):
+        _logits(model, ids, attention_mask=biased[None, None])
+    with sa.skip_nan_checks():
+        _logits(model, ids, attention_mask=biased[None, None])
 
 # 9. Parameter count of the paper's GPT-2 retrofit.
 
