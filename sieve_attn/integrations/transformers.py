@@ -206,7 +206,10 @@ def _rows_token(cache, layer_idx: int):
     :class:`~sieve_attn.SFACache` layer counts the times its rows were reordered, selected or repeated; a layer
     of dense tensors gives the storage of its keys, which transformers replaces when it reorders, selects or
     repeats the rows (beam search) and when it appends, and keeps when it crops. None where neither applies (a
-    static cache reorders its rows in place: not detected)."""
+    static cache reorders its rows in place, and an offloading cache moves its keys to the CPU and back between
+    passes, new storage each time: neither is checked for rows reordered by hand)."""
+    if getattr(cache, "offloading", False):
+        return None
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
     if hasattr(layer, "rows_version"):

@@ -652,6 +652,50 @@ def test_rows_reordered_outside_beam_search_are_refused():
             model(ids[:, 8:], **{cache_keyword(model): cache})
 
 
+def _offloading_cache(model, monkeypatch):
+    """A dynamic cache that behaves as ``DynamicCache(offloading=True)`` does on a GPU: each layer's update first
+    brings the next layer's keys and values back (a copy), then moves its own away (another copy), so their storage
+    changes between passes. On a GPU the real one is used."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import Cache
+    if torch.cuda.is_available():
+        return DynamicCache(config=model.config, offloading=True)
+    update = Cache.update
+
+    def copying_update(cache, keys, values, layer_idx, *args, **kwargs):
+        following = cache.layers[(layer_idx + 1) % len(cache.layers)]
+        if following.is_initialized:  # prefetched
+            following.keys, following.values = following.keys.clone(), following.values.clone()
+        cache.offloading = False  # the real offloading needs CUDA streams
+        try:
+            out = update(cache, keys, values, layer_idx, *args, **kwargs)
+        finally:
+            cache.offloading = True
+        layer = cache.layers[layer_idx]  # offloaded
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        return out
+
+    monkeypatch.setattr(Cache, "update", copying_update)
+    cache = DynamicCache(config=model.config)
+    cache.offloading = True
+    return cache
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_an_offloading_cache_generates_what_recomputation_gives(mode, monkeypatch):
+    """An offloading cache moves each layer's keys away and back between passes (new storage each time): not a
+    reordering of its rows, so it is not refused, and decoding gives recomputation's tokens."""
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sa.compose(model.to(device), sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=2, mode=mode))
+    prompt = random_ids(2, 20, seed=7).to(device)
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                             **{cache_keyword(model): _offloading_cache(model, monkeypatch)})
+    assert torch.equal(out, greedy_recompute(model, prompt, 12))
+
+
 def _hand_built_attention(hidden, window: int, sinks: int, top_k: int = None, gate: str = None, gate_lambda=10.0):
     """An attention-interface function computing Focus from its definition, in float64, from the router's
     parameters and the layer's input ``hidden[id(module)]``. The router's logits are rms(W h_j) C^T / tau + b. Hard
