@@ -131,9 +131,9 @@ class FocusLayer(nn.Module):
     def _sink_starts(self, this_pass: "_Pass", start: int, attn_mask, q_len: int, k_len: int) -> Optional[list]:
         """Each row's document starts (the sinks start there; :func:`~sieve_attn.ops.focus.routing.document_starts`),
         None where every row has one, at 0: those of the tokens before this pass (kept with the cache's routing)
-        and those ``attn_mask`` shows in this pass, one host read per pass, except in a one-token pass (a decode
-        step) once every row has begun: it continues its row's last document. The read also refuses a mask Focus
-        cannot follow (a tree of draft tokens), with sink tokens or without."""
+        and those ``attn_mask`` shows in this pass (two host reads per layer and pass of more than one token, and in
+        a one-token pass while some row has not begun: a decode step then continues its row's last document). The
+        read also refuses a mask Focus cannot follow (a tree of draft tokens), with sink tokens or without."""
         past = None if not (start and self.config.sink_tokens) else self._kept(this_pass.cache)
         earlier = None if past is None else past.sink_starts
         # A decode step reads nothing once every row has begun; while a row has seen only pads (a left-padded

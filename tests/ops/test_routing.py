@@ -188,13 +188,15 @@ def test_document_starts_from_masks():
 
 
 def test_document_starts_read_in_chunks_of_queries(monkeypatch):
-    """The mask is read a few query rows at a time; chunks that split a document give the starts read at once."""
+    """Candidate queries are scanned a few at a time; any chunking gives the starts read at once."""
     masks = torch.cat([_causal_mask(11, [4, 2, 5]), _causal_mask(11, [3, 6], pads=2)])
     expected = [[0, 4, 6], [2, 5]]
     for rows_per_read in (1, 3, 4, 11):
         monkeypatch.setattr(routing, "_ROWS_PER_READ", rows_per_read)
         assert document_starts(masks, 0, 11) == expected
         assert document_starts(masks[..., 5:, :], 5, 11) == [[6], [5]]
+    shared = _causal_mask(11, [4, 2, 5]).expand(3, 1, 11, 11)  # one mask for the batch, as a stride-0 view
+    assert document_starts(shared, 0, 11) == [[0, 4, 6]]
 
 
 def test_a_tree_of_draft_tokens_is_refused_and_a_masked_token_is_skipped():
@@ -218,6 +220,9 @@ def test_a_tree_of_draft_tokens_is_refused_and_a_masked_token_is_skipped():
     holed[..., 3] = False  # token 3 masked out as a key, its own row too
     assert document_starts(holed, 0, 8) == [[0]]
     assert document_starts(holed[..., 2:, :], 2, 8) == [[]]
+    holed[..., 5, 4] = False  # query 5 masks its own slot and the one before: no token of the sequence, no tree
+    holed[..., 5, 5] = False
+    assert document_starts(holed, 0, 8) == [[0]]
     with pytest.raises(ValueError, match=r"attn_mask: expected one column per key present \(8\), got 9 columns"):
         document_starts(_causal_mask(9, [9])[..., 1:, :], 1, 8)
 

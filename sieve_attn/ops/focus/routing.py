@@ -65,25 +65,28 @@ def sink_positions(batch: int, first_position: int, length: int, sink_tokens: in
     return sinks.to(device)
 
 
-# Queries whose mask rows document_starts reads at once: bounds its temporary to this many rows of keys per mask row.
+# Mask rows document_starts scans at once for earlier keys: bounds its temporary to this many rows of keys.
 _ROWS_PER_READ = 1024
 
 
 def document_starts(attn_mask: torch.Tensor, start: int, k_len: int) -> list[list[int]]:
     """Absolute positions where a sequence begins among the queries of ``attn_mask`` [B or 1, H or 1, Tq, Tk] (bool,
-    True = attend; queries at positions start.., aligned to the end of the keys), per mask row: a query that attends
-    itself and no earlier key. Left padding gives each row's first real token (pads attend nothing, or not their own
-    slot); packed sequences (transformers' block-diagonal mask from ``position_ids`` that restart) each one's first
-    token. A query at the first key slot of a cache that dropped earlier tokens (a sliding window) continues its
-    sequence unless it is position 0. Reads the mask's first head, ``_ROWS_PER_READ`` queries at a time; one host
-    read.
+    True = attend; queries at positions start.., aligned to the end of the keys), per mask row (one row for a mask
+    shared along the batch, a stride-0 view included): a query that attends itself and no earlier key. Left padding
+    gives each row's first real token (pads attend nothing, or not their own slot); packed sequences (transformers'
+    block-diagonal mask from ``position_ids`` that restart) each one's first token. A query at the first key slot of
+    a cache that dropped earlier tokens (a sliding window) continues its sequence unless it is position 0.
 
     Raises ValueError for a mask whose keys are not the ``k_len`` present, and for one in which a token attends
     earlier keys but skips the token just before it while that token, one of these queries, attends itself: a tree
     of draft tokens, as speculative decoding verifies them. Focus's window counts key slots, so such a token would
     see another window than in its sequence alone. (Masked tokens, pads among them, attend not even themselves: a
-    token after them continues its sequence.)"""
-    mask = attn_mask[:, 0]  # [B or 1, Tq, Tk]
+    token after them continues its sequence.)
+
+    Cost: the mask's first head is read at two diagonals (every query); only the queries that attend themselves and
+    not the slot before (every start and every skipping token is one: a handful per row) are scanned for earlier
+    keys, ``_ROWS_PER_READ`` at a time. Two host reads."""
+    mask = attn_mask[:1, 0] if attn_mask.stride(0) == 0 else attn_mask[:, 0]  # [B or 1, Tq, Tk]
     q_len = mask.shape[-2]
     if mask.shape[-1] != k_len:
         fail("attn_mask", f"one column per key present ({k_len})", f"{mask.shape[-1]} columns")
@@ -91,25 +94,25 @@ def document_starts(attn_mask: torch.Tensor, start: int, k_len: int) -> list[lis
     own = queries + (k_len - q_len)  # each query's own key slot
     attends_itself = mask[:, queries, own]  # [B or 1, Tq]
     attends_previous = mask[:, queries, (own - 1).clamp_min(0)] & (own > 0)
-    attends_earlier = torch.cat([_attends_earlier(mask, first, own) for first in range(0, q_len, _ROWS_PER_READ)], 1)
-    previous_is_live = torch.cat([torch.zeros_like(attends_itself[:, :1]), attends_itself[:, :-1]], dim=1)
-    skips_a_token = attends_itself & attends_earlier & ~attends_previous & previous_is_live
-    begins = torch.where(own > 0, ~attends_earlier, queries + start == 0)
-    starts, skips_a_token = torch.stack([attends_itself & begins, skips_a_token]).cpu()
+    rows, candidates = (attends_itself & ~attends_previous).nonzero(as_tuple=True)
+    keys = torch.arange(k_len, device=mask.device)
+    attends_earlier = torch.cat([(mask[rows[n:n + _ROWS_PER_READ], candidates[n:n + _ROWS_PER_READ]]
+                                  & (keys < own[candidates[n:n + _ROWS_PER_READ], None])).any(-1)
+                                 for n in range(0, len(rows), _ROWS_PER_READ)] or [rows.new_zeros(0, dtype=torch.bool)])
+    begins = torch.where(own[candidates] > 0, ~attends_earlier, candidates + start == 0)
+    # The token before a candidate is one of these queries and attends itself (a live token it skips).
+    previous_is_live = (candidates > 0) & attends_itself[rows, (candidates - 1).clamp_min(0)]
+    skips_a_token = attends_earlier & previous_is_live
+    rows, candidates, begins, skips_a_token = (t.cpu() for t in (rows, candidates, begins, skips_a_token))
     if skips_a_token.any():
-        row, query = skips_a_token.nonzero()[0].tolist()
+        row, query = rows[skips_a_token][0].item(), candidates[skips_a_token][0].item()
         fail("attn_mask", "each token to attend the token just before it or no earlier token (Focus's window "
              "counts key slots; a tree of draft tokens cannot be verified in one pass)",
              f"in row {row} position {start + query} attends earlier tokens but not position {start + query - 1}")
-    return [(row.nonzero().flatten() + start).tolist() for row in starts]
-
-
-def _attends_earlier(mask: torch.Tensor, first: int, own: torch.Tensor) -> torch.Tensor:
-    """[B or 1, rows]: whether queries first.. (``_ROWS_PER_READ`` of them) of ``mask`` [B or 1, Tq, Tk] attend a
-    key before their own slot ``own`` [Tq]."""
-    rows = mask[:, first:first + _ROWS_PER_READ]
-    keys = torch.arange(mask.shape[-1], device=mask.device)
-    return (rows & (keys < own[first:first + rows.shape[1], None])).any(-1)
+    starts = [[] for _ in range(mask.shape[0])]
+    for row, query in zip(rows[begins].tolist(), candidates[begins].tolist()):
+        starts[row].append(start + query)
+    return starts
 
 
 def with_sinks_soft(assign: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
