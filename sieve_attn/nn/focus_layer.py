@@ -166,11 +166,12 @@ class FocusLayer(nn.Module):
                 rows = "" if routing is None or _batch(routing) == _batch(current) else (
                     "; rows repeated or selected by hand (batch_repeat_interleave, batch_select_indices) must go "
                     "through model._reorder_cache(cache, indices), which moves their routing too")
-                raise RuntimeError(f"FocusLayer: the KV cache holds {start} tokens but the router has seen "
-                                   f"{known or 0} of this cache's (batch {None if routing is None else _batch(routing)}"
-                                   f", now {_batch(current)}); run the whole prompt through the composed model "
-                                   f"with this cache (the routing of cached tokens is kept with the cache, and a "
-                                   f"change of the Focus settings forgets it){rows}")
+                seen = "none of them" if routing is None else \
+                    f"{known} of this cache's (batch {_batch(routing)}, now {_batch(current)})"
+                raise RuntimeError(f"FocusLayer: the KV cache holds {start} tokens but the router has seen {seen} "
+                                   f"under the current Focus settings; run the whole prompt through the composed "
+                                   f"model with this cache (the routing of cached tokens is kept with the cache, and "
+                                   f"a change of the Focus settings forgets it){rows}")
             if this_pass.rows_before != past.rows and start >= past.length:
                 raise RuntimeError("FocusLayer: the KV cache's batch rows were reordered, selected or repeated "
                                    "between passes other than by generate's beam search; the routing of the cached "

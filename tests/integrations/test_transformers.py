@@ -438,8 +438,22 @@ def test_a_cache_pickles_after_a_focus_pass_and_a_loaded_copy_is_refused_clearly
         model(random_ids(1, 14), **{cache_keyword(model): cache})
     loaded = pickle.loads(pickle.dumps(cache))
     assert loaded.get_seq_length() == 14
-    with pytest.raises(RuntimeError, match="the KV cache holds 14 tokens but the router has seen 0"):
+    with pytest.raises(RuntimeError, match="the KV cache holds 14 tokens but the router has seen none of them"):
         model(random_ids(1, 2, seed=5), **{cache_keyword(model): loaded})
+
+
+def test_a_cache_filled_under_other_focus_settings_is_refused_clearly():
+    """The routing kept for cached tokens belongs to the settings that routed them: after a change of mode the
+    cache's tokens have no routing under the new one, and the error says what to do."""
+    from transformers import DynamicCache
+    model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(random_ids(1, 10), **{cache_keyword(model): cache})
+        sa.set_focus_mode(model, "soft")
+        with pytest.raises(RuntimeError, match="the KV cache holds 10 tokens but the router has seen none of them "
+                                               "under the current Focus settings; run the whole prompt"):
+            model(random_ids(1, 1, seed=5), **{cache_keyword(model): cache})
 
 
 def test_a_composed_model_pickles_and_copies():
