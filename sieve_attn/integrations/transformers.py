@@ -73,15 +73,24 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
     return out.transpose(1, 2).contiguous(), None
 
 
+# An additive mask entry at or below this removes its pair from the softmax as surely as -inf: exp(-1e4) underflows
+# to 0 in every float dtype (transformers writes the dtype's minimum, older code -1e4).
+_MASKED = -1e4
+
+
 def _boolean_mask(additive: torch.Tensor) -> torch.Tensor:
-    """True where an additive float mask holds 0 (attend). Its other entries must mask (the dtype's minimum or
-    -inf, as transformers builds masks): a finite bias such as ALiBi's would be lost, so it is refused, where value
-    checks run (not inside :func:`sieve_attn.skip_nan_checks`)."""
+    """True where an additive float mask holds 0 (attend). Its other entries must mask (at most -1e4: -inf, a float
+    dtype's minimum, the -1e4 of older code): a finite bias such as ALiBi's would be lost, so it is refused, where
+    value checks run (not inside :func:`sieve_attn.skip_nan_checks`). A mask of another dtype (integers) is
+    refused: neither boolean nor additive."""
+    if not additive.is_floating_point():
+        fail("attention_mask", "a boolean mask (True = attend) or an additive float one (0 = attend)",
+             f"a {additive.dtype} tensor")
     attended = additive == 0
     if not nan_checks_skipped():
-        fail_where([("attention_mask", "an additive mask of 0 (attend) and -inf or the dtype's minimum (Focus and "
+        fail_where([("attention_mask", "an additive mask of 0 (attend) and values at most -1e4 (masked; Focus and "
                      "SFA add no bias to the logits)", "other values (a position bias such as ALiBi?)",
-                     (~attended & (additive > torch.finfo(additive.dtype).min)).any())])
+                     (~attended & (additive > _MASKED)).any())])
     return attended
 
 

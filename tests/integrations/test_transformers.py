@@ -965,14 +965,20 @@ def test_compose_refuses_attention_it_cannot_replace(kind, message):
 
 
 def test_an_additive_mask_with_a_bias_is_refused():
-    """A float mask passed by hand must only mask (0 or the dtype's minimum): a finite bias such as ALiBi's would be
-    lost. Inside skip_nan_checks nothing reads the mask's values."""
+    """A float mask passed by hand must only mask (0, or at most -1e4: any float dtype's minimum, -inf, older code's
+    -1e4): a finite bias such as ALiBi's would be lost. Inside skip_nan_checks nothing reads the mask's values. An
+    integer mask is neither boolean nor additive."""
     model = sa.compose(tiny_model("llama"), sa.FocusConfig(**SPARSE))
     ids = random_ids(1, 12)
     causal = torch.ones(12, 12).tril().bool()
-    additive = torch.zeros(12, 12).masked_fill(~causal, torch.finfo(torch.float32).min)
-    torch.testing.assert_close(_logits(model, ids, attention_mask=additive[None, None]), _logits(model, ids),
-                               rtol=0, atol=1e-6)
+    for masked in (torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min, torch.finfo(torch.float16).min,
+                   -1e4, float("-inf")):
+        additive = torch.zeros(12, 12).masked_fill(~causal, masked)
+        torch.testing.assert_close(_logits(model, ids, attention_mask=additive[None, None]), _logits(model, ids),
+                                   rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="attention_mask: expected a boolean mask .* or an additive float one .*got "
+                                         "a torch.int64 tensor"):
+        _logits(model, ids, attention_mask=causal.long()[None, None])
     biased = additive - 0.5 * (torch.arange(12)[:, None] - torch.arange(12)[None]).clamp_min(0)
     with pytest.raises(ValueError, match="attention_mask: expected an additive mask of 0 .*got other values"):
         _logits(model, ids, attention_mask=biased[None, None])
