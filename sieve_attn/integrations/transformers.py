@@ -67,6 +67,8 @@ def sieve_attention_forward(module, query, key, value, attention_mask, dropout=0
         attention_mask = _boolean_mask(attention_mask)
     key, value, attention_mask = _filled_slots(key, value, attention_mask, getattr(module, START_ATTR, None),
                                                query.shape[2])
+    if attention_mask is not None and query.shape[2] > 1 and not nan_checks_skipped():
+        _refuse_later_keys(attention_mask)
     query, key, value = in_autocast_dtype(query, key, value)
     kwargs = dict(attn_mask=attention_mask, scale=scaling, softcap=softcap)
     out = sfa.attend(query, key, value, focus=focus, **kwargs) if sfa else focus.attend(query, key, value, **kwargs)
@@ -92,6 +94,18 @@ def _boolean_mask(additive: torch.Tensor) -> torch.Tensor:
                      "SFA add no bias to the logits)", "other values (a position bias such as ALiBi?)",
                      (~attended & (additive > _MASKED)).any())])
     return attended
+
+
+def _refuse_later_keys(attn_mask: torch.Tensor) -> None:
+    """ValueError naming ``attention_mask`` [B or 1, H or 1, Tq, Tk] (bool, queries aligned to the end of the keys)
+    where a query may attend the key just after its own slot: Focus and SFA attend causally, so the pairs a
+    bidirectional block adds (Gemma-3's image tokens attend each other both ways) would be dropped. Reads one
+    diagonal: one host read."""
+    q_len, k_len = attn_mask.shape[-2:]
+    queries = torch.arange(q_len - 1, device=attn_mask.device)  # the last query's next slot lies past the keys
+    fail_where([("attention_mask", "a causal mask (Focus and SFA attend no key after the query's own)",
+                 "a query that may attend the token after it (bidirectional tokens, such as Gemma-3's image tokens)",
+                 attn_mask[..., queries, queries + (k_len - q_len) + 1].any())])
 
 
 def in_autocast_dtype(*tensors):
@@ -130,9 +144,14 @@ def _register() -> None:
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The self-attention modules of a transformers decoder (those carrying a ``layer_idx``), in layer order."""
+    """The self-attention modules of a transformers model's text decoder (those carrying a ``layer_idx``), in layer
+    order. In a model with other towers (a vision encoder's attention also carries a ``layer_idx``) only those of
+    ``model.get_decoder()``."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    inside = {id(m) for m in (decoder if isinstance(decoder, nn.Module) else model).modules()}
     found = [(name, m) for name, m in model.named_modules()
-             if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+             if id(m) in inside and type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
     if not found:
         fail("model", "a transformers decoder whose attention modules use the attention interface",
              f"no attention module in {type(model).__name__}")
@@ -324,12 +343,14 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     modules = attention_modules(model)
     check_attention_fits(model, modules)
     _register()
-    model.set_attn_implementation(ATTENTION_NAME)
-    if model.config._attn_implementation != ATTENTION_NAME:  # transformers only warns
+    text = model.config.get_text_config()
+    # Only the text decoder's: a vision tower keeps its own attention.
+    key = next((name for name in model.config.sub_configs if getattr(model.config, name, None) is text), None)
+    model.set_attn_implementation(ATTENTION_NAME if key is None else {key: ATTENTION_NAME})
+    if text._attn_implementation != ATTENTION_NAME:  # transformers only warns
         fail("model", "a model whose attention runs through transformers' attention interface",
              f"{type(model).__name__}, which computes attention itself (its attention implementation stays "
-             f"{model.config._attn_implementation!r})")
-    text = model.config.get_text_config()
+             f"{text._attn_implementation!r})")
     device = next(model.parameters()).device
     for param in model.parameters():
         param.requires_grad_(False)

@@ -953,7 +953,7 @@ def _unfit_model(kind: str):
     ("falcon-alibi", "model: expected a model without ALiBi position biases .*got FalconForCausalLM with alibi=True"),
     ("gpt-oss", "model: expected attention without learned attention sinks .*got model.layers.0.self_attn.sinks"),
     ("bart", "model: expected causal \\(decoder\\) self-attention modules only, got "
-             "model.encoder.layers.0.self_attn \\(BartAttention, not causal\\)")])
+             "model.decoder.layers.0.encoder_attn \\(BartAttention, not causal\\)")])
 def test_compose_refuses_attention_it_cannot_replace(kind, message):
     """Each of these composed silently before, and then ran its own attention unchanged (BLOOM), dropped a bias
     or the learned sinks from the logits (Falcon with ALiBi, GPT-OSS), or failed only when generating (BART)."""
@@ -962,6 +962,32 @@ def test_compose_refuses_attention_it_cannot_replace(kind, message):
         sa.compose(model, sa.FocusConfig(**SPARSE))
     assert all(p.requires_grad for p in model.parameters())  # nothing changed
     assert not any(name.endswith(".sieve_focus") for name, _ in model.named_modules())
+
+
+def test_a_vision_language_model_composes_its_text_decoder_alone():
+    """Gemma-3 with a vision tower: Focus goes into the text decoder's attention only; the tower keeps its own
+    attention, so a forward with an image runs (it failed in the tower before). Its image tokens, given their
+    token types, attend each other both ways: a causal op would drop those pairs, so that mask is refused."""
+    import transformers as tf
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=8)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                             boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(config).eval()
+    vision_implementation = model.config.vision_config._attn_implementation
+    sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=4))  # every group: the dense pattern
+    assert [name for name, _ in attention_modules(model)] == [f"model.language_model.layers.{i}.self_attn"
+                                                               for i in range(2)]
+    assert model.config.vision_config._attn_implementation == vision_implementation
+    ids = torch.cat([random_ids(1, 3), torch.full((1, 4), 299), random_ids(1, 5, seed=2)], dim=1)
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(_logits(model, ids, pixel_values=pixels)).all()
+    with pytest.raises(ValueError, match="attention_mask: expected a causal mask .*got a query that may attend the "
+                                         "token after it"):
+        _logits(model, ids, pixel_values=pixels, token_type_ids=(ids == 299).long())
 
 
 def test_an_additive_mask_with_a_bias_is_refused():
