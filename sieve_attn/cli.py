@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen_model.add_argument("--weights", type=Path, default=None,
                            help="model.safetensors from `sieve finetune` (an SFA adapter needs the weights it was "
                                 "trained with)")
+    gen_model.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
+                           help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter "
+                                "trained with triton, run on a CPU with reference)")
     gen.add_argument("--prompt", default="def fibonacci(n):", help="text to continue ('def fibonacci(n):')")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (64)")
     gen.add_argument("--check", action="store_true",
@@ -553,32 +556,26 @@ def cmd_retrofit(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
-    from ._checks import check_kernels_can_run
     from ._provenance import environment
     from .eval.report import evaluate_modes, format_table, write_json
-    from .integrations.transformers import (check_adapter, check_sfa_backend, load_adapter, read_adapter_config,
-                                            reconfigure)
+    from .integrations.transformers import check_adapter, read_adapter_config, reconfigure
 
     _check_common_options(args)
     with _errors_of("--adapter"):
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
     modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
-    check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)
+    _check_sfa_backend_option(args, saved)
     model, tokenizer, weights = _setup_with_weights(args, saved)
     _check_context(model, args.context)
     if saved is not None:
         with _errors_of("--adapter"):  # before any scoring
             check_adapter(model, args.adapter, weights_digest=weights)
-    if args.sfa_backend is not None and saved["focus"] is None:
-        with _errors_of("--sfa-backend"):
-            check_sfa_backend(model, args.sfa_backend)
+        _check_sfa_backend_fits(model, args, saved)
     windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
     focus_config = sfa_config = None
     if saved is not None:
-        if args.sfa_backend is not None:  # composed first: a composed model keeps its backend when the adapter loads
-            _compose_saved(model, saved, sfa_backend=args.sfa_backend)
-        load_adapter(model, args.adapter, weights_digest=weights)
+        _load_saved_adapter(model, args, saved, weights)
         if args.top_k is not None:
             reconfigure(model, top_k=args.top_k)
         focus_config = None if model.sieve_config is None else model.sieve_config.to_dict()
@@ -631,7 +628,7 @@ def cmd_generate(args) -> int:
     from .eval.generate import generate
     from ._provenance import environment
     from .eval.report import write_json
-    from .integrations.transformers import load_adapter, read_adapter_config
+    from .integrations.transformers import check_adapter, read_adapter_config
 
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens: expected at least 1, got {args.max_new_tokens}")
@@ -641,10 +638,13 @@ def cmd_generate(args) -> int:
         _check_json_option(args.json)
     with _errors_of("--adapter"):
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
+    _check_sfa_backend_option(args, saved)
     model, tokenizer, weights = _setup_with_weights(args, saved)
     if saved is not None:
         with _errors_of("--adapter"):
-            load_adapter(model, args.adapter, weights_digest=weights)
+            check_adapter(model, args.adapter, weights_digest=weights)
+        _check_sfa_backend_fits(model, args, saved)
+        _load_saved_adapter(model, args, saved, weights)
     record = generate(model, tokenizer, args.prompt, args.max_new_tokens, check=args.check)
     mib = {name: f"{size / 2 ** 20:.2f}" for name, size in record["cache"].items() if name.endswith("_bytes")}
     print(f"{args.prompt}{record['text']}")
@@ -662,8 +662,8 @@ def cmd_generate(args) -> int:
 
 
 def _eval_modes(args, saved: dict | None) -> list[str]:
-    """The modes `sieve eval ppl` scores (--modes, or every one the adapter allows); exits on --modes, --top-k or
-    --sfa-backend that the adapter (its config ``saved``, None without one) cannot take."""
+    """The modes `sieve eval ppl` scores (--modes, or every one the adapter allows); exits on --modes or --top-k
+    that the adapter (its config ``saved``, None without one) cannot take."""
     from .eval.report import ALL_MODES
 
     method = None if saved is None else saved.get("method")
@@ -685,19 +685,42 @@ def _eval_modes(args, saved: dict | None) -> list[str]:
     groups = None if saved is None or not saved.get("focus") else saved["focus"].get("num_groups")
     if args.top_k is not None and groups is not None and not 1 <= args.top_k <= groups:
         raise SystemExit(f"--top-k: expected an int in [1, {groups}] (the adapter's groups), got {args.top_k}")
-    if args.sfa_backend is not None and "sfa" not in (method or ""):
-        raise SystemExit(f"--sfa-backend: for an adapter with SFA; got one of method {method!r}")
     return modes
 
 
-def _compose_saved(model, saved: dict, *, sfa_backend: str) -> None:
-    """Composes ``model`` with an adapter's configs (its config ``saved``), SFA's backend replaced."""
-    from .config import FocusConfig, SFAConfig
-    from .integrations.transformers import compose
+def _check_sfa_backend_option(args, saved: dict | None) -> None:
+    """Exits on an --sfa-backend that the adapter (its config ``saved``, None without one) or the device cannot
+    take, before the model loads."""
+    from ._checks import check_kernels_can_run
 
-    focus = None if saved["focus"] is None else FocusConfig.from_dict(saved["focus"])
-    compose(model, *(c for c in (focus, SFAConfig.from_dict({**saved["sfa"], "backend": sfa_backend}))
-                     if c is not None))
+    method = None if saved is None else saved.get("method")
+    if args.sfa_backend is not None and "sfa" not in (method or ""):
+        raise SystemExit(f"--sfa-backend: for an adapter with SFA; got one of method {method!r}")
+    check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)
+
+
+def _check_sfa_backend_fits(model, args, saved: dict) -> None:
+    """Exits on an --sfa-backend that SFA alone cannot run on ``model`` (softcap under sdpa, sliding windows under
+    triton), before anything is computed."""
+    from .integrations.transformers import check_sfa_backend
+
+    if args.sfa_backend is not None and saved["focus"] is None:
+        with _errors_of("--sfa-backend"):
+            check_sfa_backend(model, args.sfa_backend)
+
+
+def _load_saved_adapter(model, args, saved: dict, weights: str | None) -> None:
+    """Loads --adapter (its config ``saved``) into ``model``, with SFA's backend replaced by --sfa-backend when
+    given: the model is composed with the adapter's configs first, and a composed model keeps its backend when
+    the adapter loads."""
+    from .config import FocusConfig, SFAConfig
+    from .integrations.transformers import compose, load_adapter
+
+    if args.sfa_backend is not None:
+        focus = None if saved["focus"] is None else FocusConfig.from_dict(saved["focus"])
+        compose(model, *(c for c in (focus, SFAConfig.from_dict({**saved["sfa"], "backend": args.sfa_backend}))
+                         if c is not None))
+    load_adapter(model, args.adapter, weights_digest=weights)
 
 
 def cmd_demo(args) -> int:

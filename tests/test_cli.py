@@ -47,6 +47,14 @@ def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(t
         main(["eval", "ppl", "--model", str(tmp_path / "no model here"), "--adapter", str(tmp_path), *argv])
 
 
+def test_generate_refuses_an_sfa_backend_for_an_adapter_without_sfa_before_loading_the_model(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"format": 1, "method": "focus",
+                                                              "focus": {"num_groups": 4}}))
+    with pytest.raises(SystemExit, match="--sfa-backend: for an adapter with SFA; got one of method 'focus'"):
+        main(["generate", "--model", str(tmp_path / "no model here"), "--adapter", str(tmp_path), "--sfa-backend",
+              "reference"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["eval", "ppl", "--adapter", "/no/such/adapter"], "--adapter: directory: expected an adapter folder holding "
                                                       "adapter_config.json, got /no/such/adapter"),

@@ -30,7 +30,9 @@ class SFACacheLayer(CacheLayerMixin):
     A full-attention layer (``window`` None) keeps every token. A sliding-window layer (transformers' convention:
     the query at position p attends keys p - window < j <= p) keeps at least the last window - 1 tokens, which is
     all the next queries can see, and at most 2 * window - 1: once it holds 2 * window, it drops the older ones
-    (one copy of window - 1 tokens every window + 1 tokens, so O(1) copies per token).
+    (one copy of window - 1 tokens every window + 1 tokens, so O(1) copies per token). While it records the past
+    (:meth:`activate_past_recording`, which assisted generation calls so that it can take back rejected draft
+    tokens) it drops old tokens only in :meth:`crop`, after the rejected ones went.
 
     ``keys`` and ``values`` (transformers' dense tensors) stay None; ``store`` is the SFAKeyCache, None until the
     first update, and ``seen`` counts the tokens of the sequence so far (store holds the last len(store) of them).
@@ -45,6 +47,7 @@ class SFACacheLayer(CacheLayerMixin):
         self.store: Optional[SFAKeyCache] = None
         self.seen = 0
         self.rows_version = 0  # how often the batch rows were reordered, selected or repeated (Focus checks it)
+        self.record_past = False
 
     def __deepcopy__(self, memo):
         # copy.deepcopy of a cache (transformers' way to reuse a prompt's cache) copies the codes; the copy still
@@ -80,17 +83,29 @@ class SFACacheLayer(CacheLayerMixin):
         keys = CachedKeys(store, self.sfa, key_states if len(store) == 0 else None)
         store.append(key_states, value_states)
         self.seen += key_states.shape[2]
-        if self.window is not None and len(store) >= 2 * self.window:
+        if not self.record_past:
             # The returned keys still read the old store, whose tokens this call's queries need.
-            self._rebuild(start=len(store) - self.window + 1)
+            self._drop_old_tokens()
         return keys, store.values()
+
+    def _drop_old_tokens(self) -> None:
+        """A sliding-window layer holding 2 * window tokens or more keeps the last window - 1."""
+        if self.window is not None and len(self.store) >= 2 * self.window:
+            self._rebuild(start=len(self.store) - self.window + 1)
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """From now on a sliding-window layer drops old tokens only in :meth:`crop` (transformers' assisted
+        generation calls this before it feeds draft tokens, then crops the rejected ones after every step), so that
+        a crop can take back every token since the last one."""
+        self.record_past = True
 
     @property
     def is_croppable(self) -> bool:
         """Whether :meth:`crop` can take back any of the tokens held, which assisted generation asks before it
-        starts (it crops rejected draft tokens): always for a full-attention layer; for a sliding-window layer only
-        until it first drops old tokens (later, crop refuses to cut into the window - 1 the next query sees)."""
-        return self.window is None or self.seen == self._held()
+        starts (it crops rejected draft tokens): always for a full-attention layer or one that records the past;
+        for another sliding-window layer only until it first drops old tokens (later, crop refuses to cut into the
+        window - 1 the next query sees)."""
+        return self.window is None or self.record_past or self.seen == self._held()
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -137,6 +152,7 @@ class SFACacheLayer(CacheLayerMixin):
         if tokens_to_remove:
             self._rebuild(stop=held + tokens_to_remove)
             self.seen += tokens_to_remove
+        self._drop_old_tokens()
 
     def _held(self) -> int:
         return 0 if self.store is None else len(self.store)
@@ -226,7 +242,7 @@ def _cache_layers(model: nn.Module, capacity: int) -> list[SFACacheLayer]:
     if sfa is None:
         fail("model", "a model composed with an SFAConfig (sieve_attn.compose)",
              f"a {type(model).__name__} without SFA")
-    implementation = model.config._attn_implementation
+    implementation = model.config.get_text_config()._attn_implementation
     if implementation != ATTENTION_NAME:
         fail("model", f"the attention implementation {ATTENTION_NAME!r} that compose set", repr(implementation))
     windows = layer_windows(model)

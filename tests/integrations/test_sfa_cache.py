@@ -175,10 +175,13 @@ def test_chunked_prefill_crop_and_batch_selection():
 @pytest.mark.parametrize("configs", [[sa.SFAConfig(topk=TOPK)],
                                      [sa.FocusConfig(num_groups=4, window=4, top_k=1), sa.SFAConfig(topk=TOPK)]],
                          ids=["sfa", "focus + sfa"])
-def test_prompt_lookup_generation_crops_the_codes_and_equals_recomputation(configs, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_prompt_lookup_generation_crops_the_codes_and_equals_recomputation(arch, configs, monkeypatch):
     """Assisted generation (prompt lookup) feeds draft tokens, then crops the rejected ones from the cache: the
-    tokens are those of recomputing the whole sequence at every step, and rejected drafts were cropped."""
-    model = sa.compose(tiny_model("llama"), *configs)
+    tokens are those of recomputing the whole sequence at every step, and rejected drafts were cropped. Mistral's
+    and Gemma-2's sliding-window layers (window 8, prompt 30) record the past while it runs, so a crop can take back
+    drafts past the window (they failed mid-way, or up front, before)."""
+    model = sa.compose(tiny_model(arch), *configs)
     crops = []
     real_crop = SFACacheLayer.crop
     monkeypatch.setattr(SFACacheLayer, "crop", lambda layer, n: (crops.append(n), real_crop(layer, n))[1])
