@@ -204,9 +204,11 @@ def set_focus_mode(model: nn.Module, mode: str) -> nn.Module:
 def _observe_pass(module, args, kwargs):
     """Forward pre-hook of every composed attention module: notes where this pass starts in the sequence (for
     :func:`_filled_slots`) and hands a Focus layer the pass's hidden states."""
-    # The cache (named `cache` from transformers 5.2x, `past_key_values` before) still holds only earlier tokens:
-    # its length is the absolute position of the first new token, also for sliding-window and static layers.
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    # The cache (named `cache` from transformers 5.2x, `past_key_values` before, `layer_past` in GPT-NeoX, Falcon
+    # and GPT-BigCode) still holds only earlier tokens: its length is the absolute position of the first new token,
+    # also for sliding-window and static layers.
+    cache = next((kwargs[name] for name in ("cache", "past_key_values", "layer_past") if kwargs.get(name) is not None),
+                 None)
     start = None if cache is None else int(cache.get_seq_length(module.layer_idx))
     setattr(module, START_ATTR, start)
     focus = getattr(module, LAYER_ATTR, None)

@@ -327,6 +327,29 @@ def test_drafts_verified_over_a_cache_score_as_their_path_or_are_refused_as_a_tr
         torch.testing.assert_close(scored[:, path], alone, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["gpt-neox", "falcon", "gpt-bigcode"])
+def test_models_that_name_their_cache_layer_past_generate_what_recomputation_gives(kind):
+    """GPT-NeoX, Falcon and GPT-BigCode hand the cache to their attention modules as ``layer_past``: the routing of
+    cached tokens is kept with it (their cached generate was refused before)."""
+    import transformers as tf
+    small = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    model = {"gpt-neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**small, intermediate_size=64)),
+             "falcon": lambda: tf.FalconForCausalLM(tf.FalconConfig(**small)),
+             "gpt-bigcode": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2,
+                                                                                n_head=4))}[kind]().eval()
+    try:
+        sa.compose(model, sa.FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=2))
+    except ValueError as refusal:  # Falcon took the attention interface after transformers 5.17
+        if "computes attention itself" not in str(refusal):
+            raise
+        pytest.skip(f"this transformers version computes {kind}'s attention itself")
+    prompt = random_ids(2, 20, seed=7)
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                             pad_token_id=0)
+    assert torch.equal(out, greedy_recompute(model, prompt, 8))
+
+
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
 def test_prompt_lookup_generation_equals_recomputation(arch, mode, monkeypatch):
