@@ -347,7 +347,8 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     _register()
     text = model.config.get_text_config()
     # Only the text decoder's: a vision tower keeps its own attention.
-    key = next((name for name in model.config.sub_configs if getattr(model.config, name, None) is text), None)
+    key = next((name for name in getattr(model.config, "sub_configs", {}) if getattr(model.config, name, None) is text),
+               None)
     model.set_attn_implementation(ATTENTION_NAME if key is None else {key: ATTENTION_NAME})
     if text._attn_implementation != ATTENTION_NAME:  # transformers only warns
         fail("model", "a model whose attention runs through transformers' attention interface",
