@@ -67,7 +67,8 @@ def sfa_attention(
     log-sum-exp -inf. Gradients reach q and k only at their selected coordinates (the paper's straight-through
     rule), and v everywhere.
 
-    Returns out [B, Hq, Tq, D] (dtype of q), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``.
+    Returns out [B, Hq, Tq, D] (dtype of q; under ``torch.autocast`` the ``"sdpa"`` backend returns the autocast
+    dtype, as PyTorch's SDPA does), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``.
     """
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     topk = check_int("topk", topk, 1, q.shape[-1])
