@@ -654,7 +654,10 @@ def cmd_generate(args) -> int:
     if args.check:
         print("equals recomputation without a cache: " + ("yes" if record["equals_recomputation"] else "NO"))
     if args.json:
+        focus, sfa = getattr(model, "sieve_config", None), getattr(model, "sieve_sfa_config", None)
         record.update(model=args.model, adapter=None if args.adapter is None else str(args.adapter),
+                      focus_config=None if focus is None else focus.to_dict(),
+                      sfa_config=None if sfa is None else sfa.to_dict(),
                       weights=None if args.weights is None else str(args.weights), prompt=args.prompt,
                       environment=environment(args.device))
         print(f"wrote {write_json(record, args.json)}")

@@ -75,7 +75,10 @@ def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend, f
         assert evaluated["rows"][1]["ppl"] == pytest.approx(record["ppl_after"], rel=1e-4)
         # `sieve generate` takes the same override (an adapter trained with triton, run on a CPU).
         assert main(["generate", "--threads", "1", "--weights", str(out / "model.safetensors"), "--adapter",
-                     str(out / "adapter"), "--sfa-backend", "reference", "--max-new-tokens", "3", "--check"]) == 0
+                     str(out / "adapter"), "--sfa-backend", "reference", "--max-new-tokens", "3", "--check",
+                     "--json", str(out / "generate.json")]) == 0
+        generated = json.loads((out / "generate.json").read_text())
+        assert generated["sfa_config"]["backend"] == "reference" and generated["focus_config"] is None
         # The maps belong with the fine-tuned weights: scoring them on other weights is refused before it starts.
         from safetensors.torch import save_file
         from sieve_attn.train.checkpoint import tensors_digest

@@ -32,7 +32,10 @@ class SFACacheLayer(CacheLayerMixin):
     all the next queries can see, and at most 2 * window - 1: once it holds 2 * window, it drops the older ones
     (one copy of window - 1 tokens every window + 1 tokens, so O(1) copies per token). While it records the past
     (:meth:`activate_past_recording`, which assisted generation calls so that it can take back rejected draft
-    tokens) it drops old tokens only in :meth:`crop`, after the rejected ones went.
+    tokens) it drops old tokens only in :meth:`crop`, after the rejected ones went: the bound then holds only
+    after each crop. Recording lasts until :meth:`reset` (transformers never ends it; ``record_past = False``
+    does): a later plain generate over the same cache, which never crops, keeps every token, as transformers'
+    own sliding layers do.
 
     ``keys`` and ``values`` (transformers' dense tensors) stay None; ``store`` is the SFAKeyCache, None until the
     first update, and ``seen`` counts the tokens of the sequence so far (store holds the last len(store) of them).
@@ -120,7 +123,7 @@ class SFACacheLayer(CacheLayerMixin):
         return -1 if self.window is None else self.window
 
     def reset(self) -> None:
-        self.store, self.seen, self.is_initialized = None, 0, False
+        self.store, self.seen, self.is_initialized, self.record_past = None, 0, False, False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)

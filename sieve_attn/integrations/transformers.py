@@ -147,15 +147,23 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The self-attention modules of a transformers model's text decoder (those carrying a ``layer_idx``), in layer
     order. In a model with other towers (a vision encoder's attention also carries a ``layer_idx``) only those of
     ``model.get_decoder()``."""
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else model
-    inside = {id(m) for m in (decoder if isinstance(decoder, nn.Module) else model).modules()}
+    inside = {id(m) for m in _text_decoder(model).modules()}
     found = [(name, m) for name, m in model.named_modules()
              if id(m) in inside and type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
     if not found:
         fail("model", "a transformers decoder whose attention modules use the attention interface",
              f"no attention module in {type(model).__name__}")
     return found
+
+
+def _text_decoder(model: nn.Module) -> nn.Module:
+    """``model.get_decoder()`` where the model names one (transformers' lookup of the text decoder), else the
+    model."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):  # no decoder, or one transformers cannot find
+        return model
+    return decoder if isinstance(decoder, nn.Module) else model
 
 
 def focus_layers(model: nn.Module) -> Iterator[FocusLayer]:

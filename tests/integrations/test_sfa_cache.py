@@ -187,10 +187,15 @@ def test_prompt_lookup_generation_crops_the_codes_and_equals_recomputation(arch,
     monkeypatch.setattr(SFACacheLayer, "crop", lambda layer, n: (crops.append(n), real_crop(layer, n))[1])
     part = random_ids(1, 10, seed=2)
     prompt = torch.cat([part, part, part], dim=1)  # repeats, so prompt lookup finds drafts
-    out = _generate(model, prompt, sa.SFACache(model), max_new_tokens=16, prompt_lookup_num_tokens=4,
+    cache = sa.SFACache(model)
+    out = _generate(model, prompt, cache, max_new_tokens=16, prompt_lookup_num_tokens=4,
                     output_logits=False, return_dict_in_generate=False)
     assert torch.equal(out, greedy_recompute(model, prompt, 16))
     assert any(n < 0 for n in crops)
+    sliding = [layer for layer in cache.layers if layer.window is not None]
+    assert all(layer.record_past and len(layer.store) < 2 * layer.window for layer in sliding)  # bounded by crops
+    cache.reset()
+    assert not any(layer.record_past for layer in cache.layers)  # a reused cache drops old tokens again
 
 
 def test_sliding_layers_stay_croppable_until_they_drop_tokens():
