@@ -95,10 +95,7 @@ def document_starts(attn_mask: torch.Tensor, start: int, k_len: int) -> list[lis
     attends_itself = mask[:, queries, own]  # [B or 1, Tq]
     attends_previous = mask[:, queries, (own - 1).clamp_min(0)] & (own > 0)
     rows, candidates = (attends_itself & ~attends_previous).nonzero(as_tuple=True)
-    keys = torch.arange(k_len, device=mask.device)
-    attends_earlier = torch.cat([(mask[rows[n:n + _ROWS_PER_READ], candidates[n:n + _ROWS_PER_READ]]
-                                  & (keys < own[candidates[n:n + _ROWS_PER_READ], None])).any(-1)
-                                 for n in range(0, len(rows), _ROWS_PER_READ)] or [rows.new_zeros(0, dtype=torch.bool)])
+    attends_earlier = _attends_earlier(mask, rows, candidates, own)
     begins = torch.where(own[candidates] > 0, ~attends_earlier, candidates + start == 0)
     # The token before a candidate is one of these queries and attends itself (a live token it skips).
     previous_is_live = (candidates > 0) & attends_itself[rows, (candidates - 1).clamp_min(0)]
@@ -113,6 +110,17 @@ def document_starts(attn_mask: torch.Tensor, start: int, k_len: int) -> list[lis
     for row, query in zip(rows[begins].tolist(), candidates[begins].tolist()):
         starts[row].append(start + query)
     return starts
+
+
+def _attends_earlier(mask: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor,
+                     own: torch.Tensor) -> torch.Tensor:
+    """[N] bool: whether query ``queries[n]`` of mask row ``rows[n]`` (``mask`` [B or 1, Tq, Tk]) attends a key
+    before its own slot ``own[queries[n]]``, ``_ROWS_PER_READ`` rows of keys at a time."""
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    found = [(mask[rows[n:n + _ROWS_PER_READ], queries[n:n + _ROWS_PER_READ]]
+              & (keys < own[queries[n:n + _ROWS_PER_READ], None])).any(-1)
+             for n in range(0, len(rows), _ROWS_PER_READ)]
+    return torch.cat(found) if found else rows.new_zeros(0, dtype=torch.bool)
 
 
 def with_sinks_soft(assign: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
