@@ -124,7 +124,7 @@ def blockwise_attention(
 
 def _grouped_mask(attn_mask: torch.Tensor, kv_heads: int, group: int, q_len: int, k_len: int) -> torch.Tensor:
     """attn_mask [B or 1, 1 or Hq, Tq, Tk] -> [B or 1, 1 or Hkv, 1 or G, Tq, Tk], the layout of the score blocks."""
-    attn_mask = attn_mask.reshape(attn_mask.shape[0], -1, 1, q_len, k_len)
+    attn_mask = attn_mask.unsqueeze(2)
     if attn_mask.shape[1] == kv_heads * group:
         attn_mask = attn_mask.reshape(attn_mask.shape[0], kv_heads, group, q_len, k_len)
     return attn_mask

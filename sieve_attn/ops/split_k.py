@@ -67,10 +67,12 @@ def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device
     ``pooled`` in [0, 1): at least that fraction of the tiles is left out of the chunks, for a kernel whose
     programs take the rest over from a pool as they finish their chunk (0: the chunks cover every key)."""
     rows = q_heads // kv_heads * q_len
-    block_m = min(_MAX_BLOCK_M, triton.next_power_of_2(rows))
+    block_m = min(_MAX_BLOCK_M, triton.next_power_of_2(max(1, rows)))
     row_blocks = triton.cdiv(rows, block_m)
     wave = programs_per_sm * sm_count(device)
-    chunk_programs = batch * kv_heads * row_blocks  # programs per chunk index
+    # Programs per chunk index; at least 1, so that an empty batch or query-head set plans one chunk of a grid with no
+    # programs (a launch of nothing).
+    chunk_programs = max(1, batch * kv_heads * row_blocks)
     tiles = triton.cdiv(k_len, block_n)
     waves = 1
     if max_chunk_tiles is not None:

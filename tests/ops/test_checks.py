@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from sieve_attn import FocusConfig, focus_attention, focus_soft_attention
+from sieve_attn import FocusConfig, focus_attention, focus_backend, focus_soft_attention
 
 B, HQ, HKV, T, D = 2, 4, 2, 11, 8
 
@@ -106,6 +106,9 @@ BAD_CALLS = {
     "soft: assign int": (soft(assign=torch.ones(B, T, 3, dtype=torch.long)), ("assign",)),
     "soft: assign inf": (soft(assign=_with(assign(), (0, 1, 2), float("inf"))), ("assign",)),
     "soft: assign on another device": (soft(assign=assign().to("meta")), ("assign",)),
+    "return_lse a string": (hard(return_lse="no"), ("return_lse",)),
+    "backend of: return_lse a string": (lambda: focus_backend(q0, k0, groups2d(), return_lse="no"), ("return_lse",)),
+    "soft: return_lse a string": (soft(return_lse="no"), ("return_lse",)),
     "soft: gate unknown": (soft(gate="bogus"), ("gate",)),
     "soft: window negative": (soft(window=-2), ("window",)),
     "soft: gate_lambda zero": (soft(gate_lambda=0.0), ("gate_lambda",)),

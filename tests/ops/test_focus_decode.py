@@ -255,3 +255,13 @@ def test_each_program_lists_its_keys_in_its_own_scratch_slice(monkeypatch):
     assert len(spans) == 2 * 2 * work.chunks * work.row_blocks > 8  # every program found attended keys
     for (low, high), (next_low, _) in zip(spans, spans[1:]):
         assert high - low < 4 * chunk_keys and high < next_low
+
+
+@needs_kernels
+@pytest.mark.parametrize("batch, q_heads", [(0, 4), (1, 0)], ids=["no-batch", "no-query-heads"])
+def test_an_empty_step_returns_empty_outputs(batch, q_heads):
+    """An empty batch or query-head set plans a grid of no programs (the plan divided by zero before)."""
+    q, k, v = make_inputs(batch, q_heads, 2, 1, 40, 32, F32, False)
+    out, lse = focus_decode(q, k, v, group_bits(random_groups(batch, 40, 4, 1).to(DEVICE)), window=5,
+                            scale=0.2, softcap=None)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]

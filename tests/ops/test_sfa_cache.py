@@ -560,6 +560,15 @@ def test_auto_uses_the_kernel_on_cuda_only():
     assert decode_module._resolve_backend(q.double(), "auto") == "reference"
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_step_of_no_query_heads_returns_empty_outputs(backend):
+    """Hq = 0 divides every cache's KV heads; the kernel's plan divided by zero before."""
+    if backend == "triton" and KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    out, lse = sfa_decode(tokens(1, heads=0), make_cache(), backend=backend)
+    assert out.shape == (1, 0, 1, 32) and lse.shape == (1, 0, 1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Bad inputs
 # ----------------------------------------------------------------------------------------------------------------
@@ -620,6 +629,7 @@ BAD_CALLS = {
     "decode-empty-cache": ("cache", lambda: sfa_decode(tokens(1), make_cache(length=0))),
     "decode-heads-not-a-multiple": ("q", lambda: sfa_decode(tokens(1, heads=3), make_cache())),
     "decode-3d-q": ("q", lambda: sfa_decode(tokens(1)[0], make_cache())),
+    "decode-int-q": ("q", lambda: sfa_decode(tokens(1).long(), make_cache())),
     "decode-nan-q": ("q", lambda: sfa_decode(with_nan(tokens(1)), make_cache())),
     "decode-bad-scale": ("scale", lambda: sfa_decode(tokens(1), make_cache(), scale=-1.0)),
     "decode-infinite-scale": ("scale", lambda: sfa_decode(tokens(1), make_cache(), scale=float("inf"))),

@@ -420,6 +420,12 @@ BAD_CALLS = {
     "NaN in k": (call(k=k0.clone().index_fill_(2, torch.tensor([3]), float("nan")), topk=4), ("k",)),
     "inf in q": (call(q=q0.clone().index_fill_(2, torch.tensor([3]), float("-inf")), topk=4), ("q",)),
     "causal a string": (call(topk=4, causal="yes"), ("causal",)),
+    "return_lse a string": (call(topk=4, return_lse="no"), ("return_lse",)),
+    "backend of: q a list": (lambda: sa.sfa_backend([1.0]), ("q",)),
+    "backend of: q int": (lambda: sa.sfa_backend(torch.ones(2, 8, dtype=torch.long)), ("q",)),
+    "backend of: attn_mask a string": (lambda: sa.sfa_backend(q0, attn_mask="x"), ("attn_mask",)),
+    "backend of: attn_mask float": (lambda: sa.sfa_backend(q0, attn_mask=torch.ones(B, 1, T, T)), ("attn_mask",)),
+    "backend of: return_lse None": (lambda: sa.sfa_backend(q0, return_lse=None), ("return_lse",)),
     "attn_mask on another device": (call(topk=4, attn_mask=torch.ones(B, 1, T, T, dtype=torch.bool, device="meta")),
                                     ("attn_mask",)),
     "backend unknown": (call(topk=4, backend="nope"), ("backend",)),
@@ -442,6 +448,7 @@ BAD_CALLS = {
     "densify: a repeated index": (lambda: densify(torch.ones(2, dtype=torch.long), torch.ones(2), D), ("indices",)),
     "densify: float indices": (lambda: densify(torch.tensor([1.7, 0.2]), torch.ones(2), D), ("indices",)),
     "densify: a list of indices": (lambda: densify([1, 2], torch.ones(2), D), ("indices",)),
+    "densify: 0-d codes": (lambda: densify(torch.tensor(1), torch.tensor(1.0), D), ("values",)),
     "densify: a negative index": (lambda: densify(-1 - sparse_codes(q0, 2)[0].long(), sparse_codes(q0, 2)[1], D),
                                   ("indices",)),
 }
@@ -455,6 +462,15 @@ def test_bad_input_raises_value_error_naming_it(case):
     message = str(info.value)
     assert any(re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message) for name in names), \
         f"{case}: message {message!r} names none of {names}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("batch, q_heads", [(0, HQ), (B, 0)], ids=["no-batch", "no-query-heads"])
+def test_empty_calls_with_a_padding_mask_return_empty_outputs(batch, q_heads, backend):
+    """The reference reshaped the mask with an inferred head count, which no empty tensor has."""
+    q, k, v = make_qkv(batch, q_heads, HKV, T, T, D, torch.float32)
+    mask = torch.ones(batch, q_heads, T, T, dtype=torch.bool)
+    assert sfa_attention(q, k, v, topk=3, attn_mask=mask, backend=backend).shape == q.shape
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"topk": 1, "backend": "reference"}, {"topk": D, "causal": False},

@@ -59,3 +59,10 @@ def test_programs_fill_whole_waves_and_chunks_cover_the_keys(kernel, batch, k_le
 def test_more_kv_heads_than_a_wave_holds_get_one_chunk_each():
     work = split_k.plan(64, 64, 64, 1, 8192, torch.device("cpu"), block_n=32, programs_per_sm=8)
     assert work.chunks == 1 and work.chunk_keys >= 8192
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("batch, q_heads", [(0, 32), (1, 0)], ids=["no-batch", "no-query-heads"])
+def test_an_empty_step_plans_no_programs(kernel, batch, q_heads):
+    work = split_k.plan(batch, q_heads, 8, 1, 131072, torch.device("cpu"), **KERNELS[kernel])
+    assert batch * 8 * work.row_blocks == 0 and work.chunks >= 1

@@ -113,6 +113,7 @@ def focus_attention(
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     window = check_int("window", window, 0)
     causal, scale, softcap = check_bool("causal", causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
+    return_lse = check_bool("return_lse", return_lse)
     needs_grad = _needs_grad(q, k, v)
     name, _ = _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=causal, softcap=softcap,
                        attn_mask=attn_mask, backend=backend, return_lse=return_lse, needs_grad=needs_grad)
@@ -156,8 +157,8 @@ def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, cau
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
     needs_grad = _needs_grad(q, k, v)
     return _resolve(q, k, groups.num_groups, groups.ids.shape[2], causal=check_bool("causal", causal),
-                    softcap=softcap, attn_mask=attn_mask, backend=backend, return_lse=return_lse,
-                    needs_grad=needs_grad)
+                    softcap=softcap, attn_mask=attn_mask, backend=backend,
+                    return_lse=check_bool("return_lse", return_lse), needs_grad=needs_grad)
 
 
 def _triton_blocker(q, k, num_groups, causal, attn_mask, needs_grad: bool) -> Optional[str]:
@@ -276,6 +277,7 @@ def focus_soft_attention(
     window = check_int("window", window, 0)
     check_choice("gate", gate, GATES)
     gate_lambda = check_positive_float("gate_lambda", gate_lambda)
+    return_lse = check_bool("return_lse", return_lse)
     out, lse = focus_soft_attention_reference(q, k, v, assign, window=window, gate=gate, gate_lambda=gate_lambda,
                                               causal=check_bool("causal", causal),
                                               scale=resolve_scale(scale, q.shape[-1]), softcap=check_softcap(softcap),

@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from ..._checks import check_attention_call, check_bool, check_choice, check_int, check_softcap, resolve_scale
+from ..._checks import (FLOAT_DTYPES, check_attention_call, check_bool, check_choice, check_int, check_softcap, fail,
+                        resolve_scale)
 from ...config import SFA_BACKENDS as BACKENDS
 from ..triton_common import choose_backend, kernel_blocker
 from .reference import sfa_attention_reference
@@ -73,6 +74,7 @@ def sfa_attention(
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     topk = check_int("topk", topk, 1, q.shape[-1])
     causal, scale, softcap = check_bool("causal", causal), resolve_scale(scale, q.shape[-1]), check_softcap(softcap)
+    return_lse = check_bool("return_lse", return_lse)
     resolved, _ = _resolve(q, attn_mask, softcap, return_lse, backend)
     if resolved == "sdpa":
         result = sfa_attention_sdpa(q, k, v, topk=topk, causal=causal, scale=scale, attn_mask=attn_mask)
@@ -92,8 +94,14 @@ def sfa_backend(q: torch.Tensor, *, softcap: Optional[float] = None, attn_mask: 
                 return_lse: bool = False, backend: str = "auto") -> tuple[str, str]:
     """(backend, reason): the backend :func:`sfa_attention` uses for a call with these arguments (q [..., D] read
     for its device, dtype and head dim only), and why. Raises ValueError when an explicitly requested backend cannot
-    serve the call, as :func:`sfa_attention` does."""
-    return _resolve(q, attn_mask, check_softcap(softcap), bool(return_lse), backend)
+    serve the call, as :func:`sfa_attention` does, and for arguments it would refuse: q not a float tensor with a
+    head dim, attn_mask not a bool tensor (its shape is checked against q and k by :func:`sfa_attention`)."""
+    if getattr(q, "dtype", None) not in FLOAT_DTYPES or len(getattr(q, "shape", ())) == 0:
+        fail("q", "a float tensor [..., D]", f"{q.dtype} shape {tuple(q.shape)}" if isinstance(q, torch.Tensor)
+             else type(q).__name__)
+    if attn_mask is not None and not (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool):
+        fail("attn_mask", "None or a bool tensor", getattr(attn_mask, "dtype", type(attn_mask).__name__))
+    return _resolve(q, attn_mask, check_softcap(softcap), check_bool("return_lse", return_lse), backend)
 
 
 def _resolve(q: torch.Tensor, attn_mask: Optional[torch.Tensor], softcap: Optional[float], return_lse: bool,

@@ -99,6 +99,8 @@ def densify(indices: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tens
     if not isinstance(indices, torch.Tensor) or indices.dtype.is_floating_point or indices.dtype.is_complex or \
             indices.dtype == torch.bool:
         fail("indices", "an integer tensor [..., k]", getattr(indices, "dtype", type(indices).__name__))
+    if values.dim() == 0:
+        fail("values", "a float tensor [..., k]", "a 0-d tensor")
     if indices.shape != values.shape:
         fail("indices", f"the shape of values {tuple(values.shape)}", f"shape {tuple(indices.shape)}")
     if indices.device != values.device:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import check_choice, check_no_nan, fail, resolve_scale
+from ..._checks import FLOAT_DTYPES, check_choice, check_no_nan, fail, resolve_scale
 from ...config import SFA_DECODE_BACKENDS
 from .. import split_k
 from ..split_k import program_rows, store_rows
@@ -375,6 +375,8 @@ def _check_decode_call(q, cache) -> None:
         fail("q", "a torch.Tensor [B, Hq, Tq, D]", type(q).__name__)
     if q.dim() != 4:
         fail("q", "a 4-d tensor [B, Hq, Tq, D]", f"shape {tuple(q.shape)}")
+    if q.dtype not in FLOAT_DTYPES:
+        fail("q", "a float16, bfloat16, float32 or float64 tensor", q.dtype)
     batch, q_heads, q_len, head_dim = q.shape
     if cache.dtype != q.dtype:
         fail("cache", f"a cache of q's dtype {q.dtype}", cache.dtype)
