@@ -200,9 +200,10 @@ def check_device_option(name: str) -> None:
                          f"got {name!r}")
 
 
-def check_kernels_can_run(option: str, backend, device: str) -> None:
+def check_kernels_can_run(option: str, backend, device: str, got: str = "'triton'") -> None:
     """Exits (naming --device or ``option``) when ``option`` asks for the Triton kernels ("triton") on a device
-    where they cannot run: the CPU without TRITON_INTERPRET=1, or no triton installed."""
+    where they cannot run: the CPU without TRITON_INTERPRET=1, or no triton installed. ``got`` says where the
+    backend came from in the message."""
     from .ops.triton_common import kernel_blocker
 
     if backend != "triton":
@@ -210,4 +211,4 @@ def check_kernels_can_run(option: str, backend, device: str) -> None:
     check_device_option(device)
     blocker = kernel_blocker(torch.empty(0, 16, device=device))
     if blocker:
-        raise SystemExit(f"{option}: expected a backend that runs on --device {device}, got 'triton' ({blocker})")
+        raise SystemExit(f"{option}: expected a backend that runs on --device {device}, got {got} ({blocker})")

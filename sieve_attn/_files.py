@@ -1,4 +1,5 @@
-"""Atomic file writes: a crash mid-write, or a power loss after it, leaves the previous file intact."""
+"""Atomic file writes (a crash mid-write, or a power loss after it, leaves the previous file intact), and reads of
+safetensors files that say which argument gave an unreadable one."""
 from __future__ import annotations
 
 import os
@@ -59,3 +60,16 @@ def _fsync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(handle)
+
+
+def read_safetensors(path, name: str) -> dict:
+    """The tensors of the safetensors file at ``path`` (on the CPU); ValueError naming ``name`` (the argument that
+    gave the file) when it is missing or is no whole safetensors file (truncated, another format)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{name}: expected a safetensors file, got {str(path)!r}, which cannot be read "
+                         f"({error})") from None

@@ -616,8 +616,8 @@ def _load_checked_weights(model, args, saved: dict | None) -> str | None:
     from .train.finetune import load_weights
 
     trained_with = None if saved is None else saved.get("weights_digest")
-    with _errors_of("--weights"):
-        weights = None if args.weights is None else load_weights(model, args.weights)
+    with _errors_named_by_flag():
+        weights = None if args.weights is None else load_weights(model, args.weights, name="--weights")
     if trained_with is not None and weights != trained_with:
         raise SystemExit(f"--weights: expected the model.safetensors the adapter was trained with ({trained_with}), "
                          f"got {str(args.weights)!r} ({weights})")
@@ -699,6 +699,10 @@ def _check_sfa_backend_option(args, saved: dict | None) -> None:
     method = None if saved is None else saved.get("method")
     if args.sfa_backend is not None and "sfa" not in (method or ""):
         raise SystemExit(f"--sfa-backend: for an adapter with SFA; got one of method {method!r}")
+    if args.sfa_backend is None and saved is not None and saved.get("sfa"):
+        # Without the option the adapter's own backend (the one it was trained with) runs.
+        recorded = saved["sfa"].get("backend")
+        check_kernels_can_run("--sfa-backend", recorded, args.device, got=f"none, so the adapter's own {recorded!r}")
     check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)
 
 
@@ -800,7 +804,8 @@ def _errors_named_by_flag():
 # The option behind each entry of a training job's identity (train/loop.py's Job.identity) a resume compares.
 IDENTITY_OPTIONS = {"windows": "--train-text, --context, --steps or --batch-size", "model": "--model",
                     "base": "--model", "dtype": "--model", "weights": "--weights", "sfa": "--sfa-adapter",
-                    "init": "--init", "teacher": "--teacher", "validation": "--validation-windows"}
+                    "init": "--init", "teacher": "--teacher", "validation": "--validation-windows",
+                    "checkpoint": "--out", "calibration": "--calibration-windows"}
 
 
 @contextlib.contextmanager
@@ -856,6 +861,7 @@ def cmd_finetune(args) -> int:
     from .integrations.transformers import trained_configs
     from .train.checkpoint import tensors_digest
     from .train.finetune import FinetuneSettings, finetune, load_weights
+    from .train.loop import windows_digest
 
     started = time.time()
     _check_common_options(args)
@@ -868,6 +874,9 @@ def cmd_finetune(args) -> int:
         check_kernels_can_run("--sfa-backend", args.sfa_backend, args.device)
     if args.method == "dense":
         _warn_of_sfa_options(args)
+    elif args.topk_warmup >= args.steps > 0:
+        print(f"warning: --topk-warmup {args.topk_warmup} is not shorter than --steps {args.steps}: no step trains "
+              f"at --topk {args.topk}, at which the model is then scored and saved", file=sys.stderr)
     distill_weight = _distill_weight(args)
     _check_weights_file("--init", args.init)
     mapped = args.method == "sfa" and args.feature_map == "pca"
@@ -891,7 +900,8 @@ def cmd_finetune(args) -> int:
     _check_context(model, args.context)
     init = None  # the digest of the --init weights, which a resumed run must share
     if args.init is not None:  # before compose, so that the calibration below sees these weights
-        init = load_weights(model, args.init, name="--init")
+        with _errors_named_by_flag():
+            init = load_weights(model, args.init, name="--init")
     if sfa is not None:
         with _errors_named_by_flag():  # a topk above the model's head dim
             compose(model, sfa)
@@ -900,7 +910,8 @@ def cmd_finetune(args) -> int:
     teacher = None
     if args.teacher is not None:
         teacher, _ = load_model(args.model)  # on the CPU; finetune moves it to the model's device
-        load_weights(teacher, args.teacher, name="--teacher")
+        with _errors_named_by_flag():
+            load_weights(teacher, args.teacher, name="--teacher")
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
     train_files = _files(args.train_text, 0)
     validation = None
@@ -916,7 +927,8 @@ def cmd_finetune(args) -> int:
     _clear_earlier_run(args)
     with _resume_refusals_named():
         result = finetune(model, windows, args.out, settings, validation=validation, teacher=teacher,
-                          resume=args.resume, init=init)
+                          resume=args.resume, init=init,
+                          calibration=windows_digest(calibration) if calibrated else None)
     del teacher  # its device memory, before the final scores
     after = perplexity(model, held_out, desc="after", progress=runtime.is_main)
     if runtime.is_main:

@@ -276,6 +276,19 @@ def test_triton_kernels_asked_for_where_they_cannot_run_are_refused_before_the_m
             main(["bench", bench, "--backend", "triton", "--device", "cpu", "--out", str(tmp_path / bench)])
 
 
+@pytest.mark.parametrize("command", [["eval", "ppl"], ["generate"]])
+def test_an_adapter_trained_with_the_kernels_needs_another_backend_where_they_cannot_run(tmp_path, monkeypatch,
+                                                                                         command):
+    """Without --sfa-backend the adapter's own backend runs: a triton adapter on a CPU is refused before the model
+    loads, saying which option to give (it failed after the dense row was scored)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"format": 1, "method": "sfa", "focus": None,
+                                                              "sfa": {"topk": 4, "backend": "triton"}}))
+    with pytest.raises(SystemExit, match="--sfa-backend: expected a backend that runs on --device cpu, got none, so "
+                                         "the adapter's own 'triton' "):
+        main([*command, "--model", str(tmp_path / "no model here"), "--adapter", str(tmp_path), "--device", "cpu"])
+
+
 def test_resuming_other_methods_or_settings_is_refused_before_the_model_loads(tmp_path):
     from dataclasses import asdict
 

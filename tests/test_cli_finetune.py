@@ -94,6 +94,8 @@ def test_finetune_writes_weights_adapter_and_result(tmp_path, method, backend, f
         save_file(weights, str(tmp_path / "other.safetensors"))
         with pytest.raises(SystemExit, match="--weights: expected the model.safetensors the adapter was trained with"):
             main([*common, "--weights", str(tmp_path / "other.safetensors")])
+        with pytest.raises(SystemExit, match="--weights: expected a safetensors file, got .*checkpoint.pt'"):
+            main([*common, "--weights", str(out / "checkpoint.pt")])  # the training checkpoint: torch's format
 
 
 @pytest.mark.slow
@@ -108,9 +110,13 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
     assert record["selection"] == "importance"  # the default
     assert record["environment"]["source_digest"] == source_digest()  # names the code that trained it
     assert all(row[3] > 0 for row in record["history"])  # the KL term of every step
-    with pytest.raises(ValueError, match="--teacher: expected the"):
+    with pytest.raises(SystemExit, match="--teacher: expected the"):
         main(["finetune", *common, "--teacher", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),
               "--out", str(tmp_path / "bad")])
+    not_weights = tmp_path / "notes.txt"
+    not_weights.write_text("not a safetensors file")
+    with pytest.raises(SystemExit, match="--teacher: expected a safetensors file, got .*notes.txt', which cannot"):
+        main(["finetune", *common, "--teacher", str(not_weights), "--out", str(tmp_path / "bad")])
     # --init starts from the dense fine-tune: before training it scores what that fine-tune scored after.
     assert main(["finetune", "--method", "dense", *common, "--init", str(teacher),
                  "--out", str(tmp_path / "init")]) == 0
@@ -124,7 +130,7 @@ def test_finetune_distills_from_the_dense_baseline(tmp_path):
                  "--out", str(tmp_path / "sfa_init")]) == 0
     converted = json.loads((tmp_path / "sfa_init" / "result.json").read_text())
     assert converted["ppl_uncalibrated"] != record["ppl_uncalibrated"]
-    with pytest.raises(ValueError, match="--init: expected the"):
+    with pytest.raises(SystemExit, match="--init: expected the"):
         main(["finetune", *common, "--init", str(tmp_path / "sfa" / "adapter" / "adapter.safetensors"),
               "--out", str(tmp_path / "bad")])
 
@@ -154,6 +160,13 @@ def test_finetune_refuses_weight_options_that_cannot_run(tmp_path, options, mess
 def test_finetune_refuses_bad_settings_by_option_before_loading_the_model(tmp_path, options, message):
     with pytest.raises(SystemExit, match=message):
         main(["finetune", "--model", str(tmp_path / "no model here"), *options, "--out", str(tmp_path)])
+
+
+def test_a_topk_warmup_as_long_as_the_run_is_warned_of(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--model"):  # stops at the model, after the warning
+        main(["finetune", "--model", str(tmp_path / "no model here"), "--steps", "3", "--topk-warmup", "3"])
+    assert ("warning: --topk-warmup 3 is not shorter than --steps 3: no step trains at --topk 16, at which the "
+            "model is then scored and saved") in capsys.readouterr().err
 
 
 def test_a_dense_finetune_warns_of_the_sfa_options_it_ignores(tmp_path, capsys):

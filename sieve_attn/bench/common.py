@@ -570,15 +570,35 @@ def number(value, digits: int = 3, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+# The dense baselines a table's dense columns and a plot's solid lines show, by name and label, in order of
+# preference (prefill: SDPA with cuDNN, else with FlashAttention; decode: dense SDPA).
+DENSE_BASELINES = {"cudnn": "cuDNN", "flash": "FlashAttention", "sdpa": "SDPA decode"}
+
+
+def dense_baseline(row: dict) -> Optional[str]:
+    """The name of the dense baseline the tables and plots show for ``row``: the first of :data:`DENSE_BASELINES`
+    it timed (cuDNN not asked for, or unavailable: FlashAttention), else the first it holds, None without any."""
+    held = [name for name in DENSE_BASELINES if name in row["baselines"]]
+    timed = [name for name in held if row["baselines"][name].get("ms") is not None]
+    return (timed or held or [None])[0]
+
+
+def dense_labels(rows: list[dict]) -> str:
+    """The labels of the dense baselines ``rows`` show, joined with "/" ("dense" when none)."""
+    names = [name for name in DENSE_BASELINES if any(dense_baseline(row) == name for row in rows)]
+    return "/".join(DENSE_BASELINES[name] for name in names) or "dense"
+
+
 def dense_cells(row: dict) -> list[str]:
-    """The 'cuDNN ms' and 'x cuDNN' cells of a row; decode rows show dense SDPA there, its backend named when it is
-    not cuDNN."""
-    dense = row["baselines"].get("cudnn") or row["baselines"].get("sdpa") or skipped("not requested")
+    """The 'cuDNN ms' and 'x cuDNN' cells of a row: its :func:`dense_baseline`, the SDPA backend that ran named
+    when it is not cuDNN (FlashAttention asked for alone; decode rows' dense SDPA)."""
+    name = dense_baseline(row)
+    dense = row["baselines"][name] if name else skipped("not requested")
     dense_ms = number(dense["ms"])
-    if dense.get("backend") not in (None, "cudnn"):
-        dense_ms += f" ({dense['backend']})"
-    ratio = row["speedup"]
-    return [dense_ms, number(ratio.get("cudnn", ratio.get("sdpa")), 2, "x")]
+    backend = dense.get("backend", name)
+    if backend not in (None, "cudnn"):
+        dense_ms += f" ({backend})"
+    return [dense_ms, number(row["speedup"].get(name), 2, "x")]
 
 
 def gate_cell(correct: Optional[bool]) -> str:

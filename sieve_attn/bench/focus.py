@@ -40,7 +40,8 @@ import torch
 from ..ops.focus import attention as focus_ops
 from ..ops.focus.groups import FocusGroups
 from .common import (BACKWARD, DECODE, Settings, Timer, Verdict, add_bench_arguments, add_int_list, attend_row,
-                     check_sampled_rows, choice_list, decode_inputs, dense_cells, dense_masked_attention, finish,
+                     check_sampled_rows, choice_list, decode_inputs, dense_baseline, dense_cells, dense_labels,
+                     dense_masked_attention, finish,
                      format_length, forward_backward, gate_cell, gradient_gate, make_qkv, markdown_row, number,
                      parse_length, plot_modes, plot_ratio, Record, refuse_above, row_fields, sample_rows, sdpa,
                      settings_from_args, speedup_axis, speedups, sweep, table_header, time_dense)
@@ -429,7 +430,6 @@ def plot_speedups(rows: list[dict], path: Path) -> Path:
 
 
 def _plot_mode(ax, rows: list[dict], mode: str) -> None:
-    dense = "sdpa" if mode == DECODE else "cudnn"
     series = sorted({(r["head_dim"], r["num_groups"], r["top_k"]) for r in rows})
     extras = sorted({r["extra_backend"] for r in rows if r.get("extra_backend")})
     for index, (dim, num_groups, top_k) in enumerate(series):
@@ -437,19 +437,23 @@ def _plot_mode(ax, rows: list[dict], mode: str) -> None:
         color = f"C{index % 10}"
         label = f"K={num_groups} top-{top_k}" + (f" D={dim}" if len({s[0] for s in series}) > 1 else "")
         configured = [r for r in mine if not r.get("extra_backend")]
-        plot_ratio(ax, configured, lambda r: r["speedup"].get(dense), marker="o", color=color, label=label)
-        plot_ratio(ax, configured, functools.partial(_prototype_speedup, dense=dense), linestyle="--", color=color,
-                   label=f"{label} prototype")
+        plot_ratio(ax, configured, _dense_speedup, marker="o", color=color, label=label)
+        plot_ratio(ax, configured, _prototype_speedup, linestyle="--", color=color, label=f"{label} prototype")
         for extra in extras:
-            plot_ratio(ax, [r for r in mine if r.get("extra_backend") == extra], lambda r: r["speedup"].get(dense),
+            plot_ratio(ax, [r for r in mine if r.get("extra_backend") == extra], _dense_speedup,
                        marker="x", linestyle=":", color=color, label=f"{label} {extra}")
-    speedup_axis(ax, rows, mode, f"speedup over dense {'SDPA decode' if mode == DECODE else 'cuDNN'}",
-                 f"Focus {mode}")
+    speedup_axis(ax, rows, mode, f"speedup over dense {dense_labels(rows)}", f"Focus {mode}")
 
 
-def _prototype_speedup(row: dict, dense: str) -> Optional[float]:
-    """The prototype's speedup over the dense baseline ``dense`` in ``row``, when both were timed."""
-    proto, base = row["baselines"].get("prototype", {}).get("ms"), row["baselines"].get(dense, {}).get("ms")
+def _dense_speedup(row: dict) -> Optional[float]:
+    return row["speedup"].get(dense_baseline(row))
+
+
+def _prototype_speedup(row: dict) -> Optional[float]:
+    """The prototype's speedup over the row's :func:`dense_baseline`, when both were timed."""
+    dense = dense_baseline(row)
+    proto = row["baselines"].get("prototype", {}).get("ms")
+    base = None if dense is None else row["baselines"][dense].get("ms")
     return base / proto if proto and base else None
 
 

@@ -50,11 +50,11 @@ from ..ops.sfa.codes import sparsify
 from ..ops.sfa.decode import sfa_decode
 from ..ops.triton_common import choose_backend, kernel_blocker
 from .common import (BACKWARD, DECODE, DTYPE, FORWARD, Settings, Timer, Verdict, add_bench_arguments, add_int_list,
-                     attend_row, check_sampled_rows, decode_inputs, dense_cells, dense_masked_attention, finish,
-                     format_length, forward_backward, gate_cell, gradient_gate, make_qkv, markdown_row, number,
-                     plot_modes, plot_ratio, Record, refuse_above, row_fields, sample_rows, sdpa, settings_from_args,
-                     skipped,
-                     speedup_axis, speedups, sweep, table_header, time_dense)
+                     attend_row, check_sampled_rows, decode_inputs, dense_baseline, dense_cells, dense_labels,
+                     dense_masked_attention, finish, format_length, forward_backward, gate_cell, gradient_gate,
+                     make_qkv, markdown_row, number, plot_modes, plot_ratio, Record, refuse_above, row_fields,
+                     sample_rows, sdpa, settings_from_args, skipped, speedup_axis, speedups, sweep, table_header,
+                     time_dense)
 
 BASELINES = ("cudnn", "flash", "cuda-core")
 # The gate samples an eighth of its rows among the first EARLY_ROWS queries: they attend the fewest keys, and they fill
@@ -335,13 +335,12 @@ def plot_speedups(rows: list[dict], path: Path) -> Path:
 
 
 def _plot_mode(ax, rows: list[dict], mode: str) -> None:
-    dense = "sdpa" if mode == DECODE else "cudnn"
     series = sorted({(r["head_dim"], r["topk"]) for r in rows})
     for index, (dim, topk) in enumerate(series):
         mine = [r for r in rows if (r["head_dim"], r["topk"]) == (dim, topk)]
         color, label = f"C{index % 10}", f"D={dim} k={topk}"
-        plot_ratio(ax, mine, lambda r: r["speedup"].get(dense), marker="o", color=color,
-                   label=f"{label} vs {'SDPA' if mode == DECODE else 'cuDNN'}")
+        plot_ratio(ax, mine, lambda r: r["speedup"].get(dense_baseline(r)), marker="o", color=color,
+                   label=f"{label} vs {dense_labels(mine)}")
         plot_ratio(ax, mine, lambda r: r["speedup"].get("cuda-core"), marker="s", linestyle="--", color=color,
                    label=f"{label} vs CUDA-core")
     speedup_axis(ax, rows, mode, "speedup of SFA", f"SFA {mode}")

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from .._checks import check_tensors_fit, fail, fail_where, nan_checks_skipped
-from .._files import atomic_write
+from .._files import atomic_write, read_safetensors
 from ..config import FOCUS_INFERENCE_FIELDS, SFA_INFERENCE_FIELDS, FocusConfig, SFAConfig
 from ..nn.focus_layer import FocusLayer
 from ..nn.sfa_layer import SFALayer
@@ -508,7 +508,7 @@ def _checked_adapter(model: nn.Module, directory, weights_digest: Optional[str])
                   for method, config in saved_configs.items() if config is not None and composed[method] != config]
         if differ:
             fail("model", f"a model composed with the adapter's configs {focus}, {sfa}", "; ".join(differ))
-    tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
+    tensors = read_safetensors(Path(directory) / ADAPTER_WEIGHTS, "adapter")
     check_tensors_fit("adapter", tensors, _added_state(model, focus, sfa),
                       "tensors named as this model's Focus and SFA layers")
     for name, tensor in tensors.items():  # the layers rank by them unchecked (SFALayer.map_queries)

@@ -45,6 +45,13 @@ def sampled_digest(tensors: dict[str, torch.Tensor], samples: int = 4096) -> str
     return tensors_digest(sampled)
 
 
+def layout_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """"sha256:HEX" (16 hex digits) of named tensors' names, shapes and dtypes, in order, not their values: what a
+    checkpoint's tensors must match to load into a model."""
+    layout = "\n".join(f"{name} {tuple(tensor.shape)} {tensor.dtype}" for name, tensor in tensors.items())
+    return f"sha256:{hashlib.sha256(layout.encode()).hexdigest()[:16]}"
+
+
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     """"sha256:HEX" (16 hex digits) of named tensors: their names, shapes, dtypes and bytes, in order."""
     digest = hashlib.sha256()

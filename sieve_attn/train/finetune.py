@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .._checks import check_int, check_tensors_fit, fail
-from .._files import atomic_write
+from .._files import atomic_write, read_safetensors
 from ..integrations.transformers import LAYER_ATTR, SFA_ATTR, composed_configs, head_dim, sfa_layers
 from . import distributed, loop
-from .checkpoint import tensors_digest
+from .checkpoint import layout_digest, tensors_digest
 
 WEIGHTS = "model.safetensors"
 # Every trained tensor (SFA feature maps included) after the best validation of a validated fine-tune, by step:
@@ -36,7 +36,9 @@ _CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"
 @dataclass
 class FinetuneSettings(loop.TrainSettings):
     """``matching_weight``: the weight of the output-matching term. ``topk_warmup``: steps over which SFA's top-k
-    falls from the head dim (dense) to its configured value (:func:`topk_at`); 0 starts at the configured value.
+    falls from the head dim (dense) to its configured value (:func:`topk_at`); 0 starts at the configured value. A
+    run no longer than its warm-up never trains at the configured top-k, though the layers end at it (a first part
+    of a run lengthened on resume may be).
     ``mixed_precision``: "no" (every training forward in the weights' dtype) or "bf16" (the training forwards under
     ``torch.autocast`` to bfloat16: matrix products and attention in bfloat16, the weights, their gradients and the
     optimizer state stay in their dtype; a teacher's forwards too); validation and evaluation always run in the
@@ -243,8 +245,10 @@ def _restore(model, optimizer, params: dict, best_dir: Path | None, state: dict)
 
     best = loop.best_validation(state.get("validations", []))
     if best_dir is not None and best is not None and not (best_dir / BEST_WEIGHTS.format(best[0])).is_file():
-        fail("checkpoint", f"{BEST_WEIGHTS.format(best[0])} beside it (the best weights its validations name; "
-                           f"copy it along, or resume with validate_every=0)", f"no such file in {best_dir}")
+        raise loop.ResumeRefused("checkpoint", f"{BEST_WEIGHTS.format(best[0])} beside it (the best weights its "
+                                               f"validations name; copy it along, or resume without validation: "
+                                               f"validate_every 0, `sieve finetune --validate-every 0`)",
+                                 f"no such file in {best_dir}")
     fixed = fixed_tensors(model)
     saved = state.get("fixed", {})  # a checkpoint older than selection weights has none
     check_tensors_fit("checkpoint", saved, fixed, "selection weights of this model's SFA layers")
@@ -307,7 +311,7 @@ def _save_weights(model, names: list[str], path: Path, runtime) -> None:
 
 def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings | None = None, *,
              validation: torch.Tensor | None = None, teacher: torch.nn.Module | None = None, resume: bool = False,
-             progress: bool = True, init: str | None = None) -> dict:
+             progress: bool = True, init: str | None = None, calibration: str | None = None) -> dict:
     """Trains every weight of ``model`` (plain, or composed with an SFAConfig, whose feature maps it trains too) on
     token windows [N, T].
 
@@ -337,6 +341,10 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
 
     ``init``: the digest of the weights the model started from when they are not its own (what :func:`load_weights`
     returns, e.g. for ``sieve finetune --init``; None: the model's own), which a resumed run must share.
+    ``calibration``: what set the SFA layers' maps and selection weights before training, e.g. the
+    :func:`~sieve_attn.train.loop.windows_digest` of the windows :func:`sieve_attn.calibrate_feature_maps` read
+    (None: not calibrated), which a resumed run must share too: it restores the trained maps, and a start
+    calibrated otherwise would describe another run.
 
     Returns {"steps", "history": [(step, lm loss, matching term or None, distillation term or None, residual-energy
     term or None)], "weights",
@@ -389,7 +397,10 @@ def finetune(model, windows: torch.Tensor, out_dir, settings: FinetuneSettings |
                    snapshot=partial(_snapshot, model, optimizer, list(params)),
                    restore=partial(_restore, model, optimizer, params, out_dir if validating else None),
                    begin=partial(_set_topk, every_layer, warmup=settings.topk_warmup, dim=head_dim(model)),
-                   identity={"model": composed_configs(model), "teacher": teacher_digest(teacher), "init": init,
+                   # "base": the trained tensors' names and shapes, so that another model's checkpoint is refused
+                   # before it is loaded
+                   identity={"model": composed_configs(model), "base": layout_digest(params),
+                             "teacher": teacher_digest(teacher), "init": init, "calibration": calibration,
                              # compared only where both runs validate (a resumed run may stop validating)
                              **({} if validation is None else {"validation": loop.windows_digest(validation)})},
                    **early_stopping)
@@ -420,7 +431,7 @@ def load_weights(model, path, name: str = "weights") -> str:
     """Loads fine-tuned weights written by :func:`finetune` (``model.safetensors``) into ``model`` and returns their
     digest (:func:`~sieve_attn.train.checkpoint.tensors_digest`); refuses a file whose tensors do not match the
     model's own weights in name and shape (ValueError naming ``name``)."""
-    tensors = load_file(str(path))
+    tensors = read_safetensors(path, name)
     check_tensors_fit(name, tensors, own_weights(trained_parameters(model)), "weights of this model")
     model.load_state_dict(tensors, strict=False)
     return tensors_digest(tensors)

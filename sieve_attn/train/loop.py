@@ -235,7 +235,8 @@ def _check_settings_continue(state: dict, settings, path: Path) -> None:
 
 
 class ResumeRefused(ValueError):
-    """A checkpoint the run cannot continue: ``name`` (an entry of the job's identity, or "windows") differs.
+    """A checkpoint the run cannot continue: ``name`` (an entry of the job's identity, or "windows") differs, or
+    ("checkpoint") a file the checkpoint needs is missing.
     A ValueError worded as :func:`~sieve_attn._checks.fail` words it; the commands name their option for it."""
 
     def __init__(self, name: str, expected: str, got):

@@ -189,6 +189,10 @@ def test_an_adapter_fits_any_backend_and_a_misfit_leaves_the_model_plain(tmp_pat
         sa.load_adapter(plain, tmp_path)
     assert getattr(plain, "sieve_sfa_config", None) is None and plain.config._attn_implementation == implementation
     assert not list(sfa_layers(plain))
+    for damage in (lambda path: path.write_bytes(path.read_bytes()[:-5]), lambda path: path.unlink()):
+        damage(tmp_path / "adapter.safetensors")  # cut short, then gone: a ValueError naming the adapter
+        with pytest.raises(ValueError, match="^adapter: expected a safetensors file, got .*adapter.safetensors'"):
+            sa.load_adapter(plain, tmp_path)
 
 
 def _matching_terms(topk: int, arch: str = "llama") -> list[torch.Tensor]:

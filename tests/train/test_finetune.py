@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 import sieve_attn as sa
 from sieve_attn.integrations.transformers import sfa_layers
 from sieve_attn.train.finetune import FinetuneSettings, finetune, load_weights
+from sieve_attn.train.loop import ResumeRefused
 
 try:
     from tests.models import random_ids, threads, tiny_model
@@ -399,6 +400,17 @@ def test_resume_refuses_other_windows(tmp_path):
                                          ".*got 6 x 24 sha256:"):
         finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), random_ids(6, 24, seed=6), tmp_path,
                  FinetuneSettings(**{**settings.__dict__, "steps": 2}), resume=True, progress=False)
+
+
+def test_resume_refuses_another_models_checkpoint_before_loading_it(tmp_path):
+    """Another model of the same tokenizer and configs (here a wider MLP) trains on the same windows: its
+    checkpoint is refused by the trained tensors' layout, not failed on halfway through loading."""
+    settings = FinetuneSettings(steps=1, lr=3e-3, warmup=1, batch_size=2)
+    finetune(sa.compose(tiny_model("llama"), sa.SFAConfig(topk=4)), _windows(), tmp_path, settings, progress=False)
+    wider = sa.compose(tiny_model("llama", intermediate_size=192), sa.SFAConfig(topk=4))
+    with pytest.raises(ResumeRefused, match="^base: expected 'sha256:.*', what .* was trained with, got 'sha256:"):
+        finetune(wider, _windows(), tmp_path, FinetuneSettings(**{**settings.__dict__, "steps": 2}), resume=True,
+                 progress=False)
 
 
 def test_resume_without_validation_keeps_the_last_weights_and_the_best_files(tmp_path, monkeypatch):
