@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen_model.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
                            help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter "
                                 "trained with triton, run on a CPU with reference)")
+    gen_model.add_argument("--mode", choices=("hard", "soft", "dense"), default=None,
+                           help="Focus: how the routers route while generating, whatever mode the adapter was "
+                                "saved in (hard: each token's top-k groups; soft: weighted memberships; dense: "
+                                "routers off) (hard)")
     gen.add_argument("--prompt", default="def fibonacci(n):", help="text to continue ('def fibonacci(n):')")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (64)")
     gen.add_argument("--check", action="store_true",
@@ -497,6 +501,10 @@ def _retrofit_settings(args):
                                     checkpoint_every=args.checkpoint_every, micro_batch=args.micro_batch)
         settings.check(processes())
         check_routing(config, settings, processes())
+    if config.window > args.context - 2:
+        raise SystemExit(f"--window: expected at most --context - 2 ({args.context - 2}): a pair of tokens lies at "
+                         f"most {args.context - 1} apart, so every pair would be local and the routers learn "
+                         f"nothing; got {config.window}")
     return config, settings
 
 
@@ -528,7 +536,8 @@ def _train(model, tokenizer, args, config, settings, weights_digest: str | None 
 
 
 def cmd_retrofit(args) -> int:
-    from .integrations.transformers import read_adapter_config
+    from .config import SFAConfig
+    from .integrations.transformers import read_adapter_config, trained_configs
     from .train.distributed import finish, is_main, load_for_training
 
     _check_common_options(args)
@@ -540,7 +549,8 @@ def cmd_retrofit(args) -> int:
                          f"{saved.get('method')!r}")
     _check_weights_given(args, saved)
     _claim_out(args)
-    _check_resumable(args, settings, "retrofit")
+    _check_resumable(args, settings, "retrofit",
+                     trained_configs(config, None if saved is None else SFAConfig.from_dict(saved["sfa"])))
     _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -628,7 +638,7 @@ def cmd_generate(args) -> int:
     from .eval.generate import generate
     from ._provenance import environment
     from .eval.report import write_json
-    from .integrations.transformers import check_adapter, read_adapter_config
+    from .integrations.transformers import check_adapter, read_adapter_config, set_focus_mode
 
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens: expected at least 1, got {args.max_new_tokens}")
@@ -636,8 +646,14 @@ def cmd_generate(args) -> int:
         raise SystemExit("--prompt: expected text to continue, got ''")
     if args.json is not None:
         _check_json_option(args.json)
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"--threads: expected at least 1, got {args.threads}")
     with _errors_of("--adapter"):
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
+    focus = saved is not None and saved.get("focus") is not None
+    if args.mode is not None and not focus:
+        raise SystemExit(f"--mode: for an adapter with Focus; got {'none' if saved is None else 'one of method '}"
+                         f"{'' if saved is None else repr(saved.get('method'))}")
     _check_sfa_backend_option(args, saved)
     model, tokenizer, weights = _setup_with_weights(args, saved)
     if saved is not None:
@@ -645,11 +661,14 @@ def cmd_generate(args) -> int:
             check_adapter(model, args.adapter, weights_digest=weights)
         _check_sfa_backend_fits(model, args, saved)
         _load_saved_adapter(model, args, saved, weights)
+    if focus:  # an adapter keeps the mode it was saved in, "train" (which cannot extend a cache) included
+        set_focus_mode(model, args.mode or "hard")
     record = generate(model, tokenizer, args.prompt, args.max_new_tokens, check=args.check)
     mib = {name: f"{size / 2 ** 20:.2f}" for name, size in record["cache"].items() if name.endswith("_bytes")}
     print(f"{args.prompt}{record['text']}")
+    routing = f"Focus mode {model.sieve_config.mode}; " if focus else ""
     print(f"{record['new_tokens']} tokens in {record['seconds']:.2f} s ({record['tokens_per_s']:.1f} tokens/s); "
-          f"{record['cache']['kind']}: its tokens {mib['held_bytes']} MiB ({mib['allocated_bytes']} allocated), "
+          f"{routing}{record['cache']['kind']}: its tokens {mib['held_bytes']} MiB ({mib['allocated_bytes']} allocated), "
           f"a dense K+V cache of them {mib['dense_bytes']} MiB")
     if args.check:
         print("equals recomputation without a cache: " + ("yes" if record["equals_recomputation"] else "NO"))
@@ -735,6 +754,7 @@ def cmd_demo(args) -> int:
     from .eval.plots import plot_loss
     from ._provenance import environment
     from .eval.report import evaluate_modes, format_table, router_parameter_count, write_json
+    from .integrations.transformers import trained_configs
     from .train.distributed import processes
 
     started = time.time()
@@ -744,7 +764,7 @@ def cmd_demo(args) -> int:
     _check_common_options(args)
     config, settings = _retrofit_settings(args)
     _claim_out(args)
-    _check_resumable(args, settings, "retrofit")
+    _check_resumable(args, settings, "retrofit", trained_configs(config, None))
     model, tokenizer = _setup(args)
     _check_context(model, args.context)
     held_out = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
@@ -790,20 +810,22 @@ def _warn_of_sfa_options(args) -> None:
 
 
 @contextlib.contextmanager
-def _errors_named_by_flag():
+def _errors_named_by_flag(renames: dict | None = None):
     """Turns a ValueError of settings built from this command's options ("topk_warmup: expected ...") into an exit
-    that names the option ("--topk-warmup: expected ...")."""
+    that names the option ("--topk-warmup: expected ..."); ``renames``: the command's own option (by its Python
+    name) behind a setting's name, where it is not the setting's."""
     try:
         yield
     except ValueError as error:
         name, sep, rest = str(error).partition(": ")
-        name = {"out_dir": "out", "backend": "sfa_backend"}.get(name, name)  # the Python names behind the options
+        # the Python names behind the options
+        name = {"out_dir": "out", "backend": "sfa_backend", **(renames or {})}.get(name, name)
         raise SystemExit(f"--{name.replace('_', '-')}: {rest}" if sep and name.isidentifier() else error) from None
 
 
 # The option behind each entry of a training job's identity (train/loop.py's Job.identity) a resume compares.
 IDENTITY_OPTIONS = {"windows": "--train-text, --context, --steps or --batch-size", "model": "--model",
-                    "base": "--model", "dtype": "--model", "weights": "--weights", "sfa": "--sfa-adapter",
+                    "base": "--model", "dtype": "--dtype", "weights": "--weights", "sfa": "--sfa-adapter",
                     "init": "--init", "teacher": "--teacher", "validation": "--validation-windows",
                     "checkpoint": "--out", "calibration": "--calibration-windows"}
 
@@ -828,7 +850,8 @@ def _check_resumable(args, settings, job: str, configs: dict | None = None) -> N
     from .train.loop import check_resume_settings
 
     if args.resume:
-        with _errors_named_by_flag():
+        # retrofit composes SFA from --sfa-adapter, and its Focus options are those of FocusConfig
+        with _errors_named_by_flag({"method": "sfa_adapter"} if job == "retrofit" else None):
             check_resume_settings(args.out, settings, job, model=configs)
 
 

@@ -7,8 +7,9 @@ from ._checks import check_choice, check_int, check_positive_float, fail
 
 FOCUS_MODES = ("train", "soft", "hard", "dense")
 FOCUS_BACKENDS = ("auto", "reference", "dense", "triton")
-# Settings that change how a trained router is used, not what it is: an adapter fits whatever their values.
-FOCUS_INFERENCE_FIELDS = ("mode", "backend")
+# Settings that change how a trained router is used, not what it is: an adapter fits whatever their values. top_k
+# is read by hard routing alone, never in training (mode "train" routes softly).
+FOCUS_INFERENCE_FIELDS = ("mode", "backend", "top_k")
 # Likewise for SFA: which kernels compute the scores.
 SFA_INFERENCE_FIELDS = ("backend",)
 

@@ -100,6 +100,22 @@ def random_ids(batch: int = 2, length: int = SEQ, seed: int = 1) -> torch.Tensor
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def save_with_word_tokenizer(model, root, text: str):
+    """Saves ``model`` (save_pretrained) to folder ``root`` with a word-level tokenizer of ``text`` holding
+    :data:`VOCAB` tokens ([UNK] and [EOS] among them): a model folder the sieve commands load offline. Returns the
+    ``tokenizers.Tokenizer``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([text], trainers.WordLevelTrainer(vocab_size=VOCAB,
+                                                                    special_tokens=["[UNK]", "[EOS]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(root)
+    model.save_pretrained(root)
+    return tokenizer
+
+
 @contextlib.contextmanager
 def threads(count: int):
     """Runs the body with ``count`` torch threads. Tiny models run fastest on one thread, above all on a busy machine."""

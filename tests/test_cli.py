@@ -64,6 +64,8 @@ def test_generate_refuses_an_sfa_backend_for_an_adapter_without_sfa_before_loadi
                                                    "such folder\\)"),
     (["eval", "ppl", "--device", "tpu"], "--device: expected cpu or a CUDA device torch sees"),
     (["generate", "--prompt", ""], "--prompt: expected text to continue, got ''"),
+    (["generate", "--threads", "0"], "--threads: expected at least 1, got 0"),
+    (["generate", "--mode", "soft"], "--mode: for an adapter with Focus; got none"),
     (["generate", "--adapter", "/no/such/adapter"], "--adapter: directory: expected an adapter folder"),
     (["generate", "--model", "../no/such/model"], "--model: expected 'smollm2-135m'"),
 ])
@@ -76,6 +78,9 @@ def test_eval_and_generate_refuse_bad_options_before_loading_the_model(argv, mes
     (["retrofit", "--steps", "0"], r"--steps: expected an int in \[1, inf\], got 0"),
     (["retrofit", "--num-groups", "0"], r"--num-groups: expected an int in \[1"),
     (["retrofit", "--context", "0"], "--context: expected at least 1, got 0"),
+    (["retrofit", "--context", "32", "--window", "31"], r"--window: expected at most --context - 2 \(30\): a pair of "
+                                                        r"tokens lies at most 31 apart, so every pair would be local"),
+    (["demo", "--context", "256"], r"--window: expected at most --context - 2 \(254\).*got 256"),
     (["demo", "--batch-size", "2", "--micro-batch", "1"], "--train-routing: expected 'sinkhorn' when training with "
                                                           "micro-batches"),
     (["demo", "--eval-windows", "0"], "--eval-windows: expected at least 1, got 0"),
@@ -265,6 +270,27 @@ def test_resume_with_settings_the_checkpoint_cannot_continue_is_refused_before_t
         main(["retrofit", *common, "--lr", "0.01"])
 
 
+@pytest.mark.parametrize("command", ["retrofit", "demo"])
+def test_resuming_other_focus_settings_is_refused_by_option_before_the_model_loads(tmp_path, command):
+    """A Focus setting the routers were trained with is named by its option (it was "--resume (--model): model:
+    expected {...}" after the model had loaded); top_k, read by hard routing alone, may change."""
+    from dataclasses import asdict
+
+    from sieve_attn.integrations.transformers import trained_configs
+    from sieve_attn.train.checkpoint import save_checkpoint
+
+    out = tmp_path / "run"
+    out.mkdir()
+    trained, settings = _retrofit_settings(build_parser().parse_args([command, "--window", "8", "--top-k", "2"]))
+    save_checkpoint({"job": "retrofit", "step": 1, "settings": asdict(settings),
+                     "identity": {"model": trained_configs(trained, None)}}, out / "checkpoint.pt")
+    common = [command, "--model", str(tmp_path / "no model here"), "--out", str(out), "--resume", "--top-k", "1"]
+    with pytest.raises(SystemExit, match="^--window: expected 8, what .*checkpoint.pt was trained with, got 16$"):
+        main([*common, "--window", "16"])
+    with pytest.raises(SystemExit, match="--model: expected"):  # on to the model
+        main([*common, "--window", "8"])
+
+
 def test_triton_kernels_asked_for_where_they_cannot_run_are_refused_before_the_model_loads(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     common = ["--sfa-backend", "triton", "--device", "cpu", "--model", str(tmp_path / "no model here")]
@@ -274,6 +300,8 @@ def test_triton_kernels_asked_for_where_they_cannot_run_are_refused_before_the_m
     for bench in ("sfa", "focus"):
         with pytest.raises(SystemExit, match="--backend: expected a backend that runs on --device cpu, got 'triton'"):
             main(["bench", bench, "--backend", "triton", "--device", "cpu", "--out", str(tmp_path / bench)])
+    with pytest.raises(SystemExit, match="--backends: expected a backend that runs on --device cpu, got 'triton'"):
+        main(["bench", "focus", "--backends", "triton", "--device", "cpu", "--out", str(tmp_path / "focus")])
 
 
 @pytest.mark.parametrize("command", [["eval", "ppl"], ["generate"]])

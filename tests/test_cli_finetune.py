@@ -248,7 +248,7 @@ def test_focus_retrofitted_onto_an_sfa_model(tmp_path):
                  "--calibration-windows", "1", "--out", str(sfa)]) == 0
     weights = ["--weights", str(sfa / "model.safetensors")]
     with pytest.raises(SystemExit, match="--weights: expected the model.safetensors the adapter was trained with"):
-        main(["retrofit", *common, "--sfa-adapter", str(sfa / "adapter"), "--out", str(both)])
+        main(["retrofit", *common, "--window", "8", "--sfa-adapter", str(sfa / "adapter"), "--out", str(both)])
     assert main(["retrofit", *common, "--steps", "2", "--window", "8", "--num-groups", "4", "--top-k", "1",
                  "--sfa-adapter", str(sfa / "adapter"), *weights, "--out", str(both)]) == 0
     config = json.loads((both / "adapter" / "adapter_config.json").read_text())

@@ -8,7 +8,7 @@ import sieve_attn as sa
 from sieve_attn.cli import main
 from sieve_attn.eval.generate import generate
 from sieve_attn.ops.sfa.cache import packed_bytes
-from tests.models import VOCAB, threads, tiny_model
+from tests.models import VOCAB, save_with_word_tokenizer, threads, tiny_model
 
 
 class DigitTokenizer:
@@ -66,3 +66,21 @@ def test_generate_on_the_default_model_writes_its_record(tmp_path, capsys):
     assert record["new_tokens"] == 4 and record["equals_recomputation"] is True
     out = capsys.readouterr().out
     assert out.startswith("def fibonacci(n):") and "equals recomputation without a cache: yes" in out
+
+
+def test_a_focus_adapter_generates_in_hard_mode_whatever_mode_it_was_saved_in(tmp_path, capsys):
+    """An adapter saved mid-training keeps mode "train", which cannot extend a cache: `sieve generate` failed with
+    a traceback. It routes in hard mode unless --mode says otherwise, and says which mode ran."""
+    import sysconfig
+    from pathlib import Path
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+    save_with_word_tokenizer(tiny_model("llama"), tmp_path / "model", text)
+    composed = sa.compose(tiny_model("llama"), sa.FocusConfig(num_groups=4, window=2, top_k=1, sink_tokens=1))
+    sa.save_adapter(sa.set_focus_mode(composed, "train"), tmp_path / "adapter")
+    common = ["generate", "--model", str(tmp_path / "model"), "--adapter", str(tmp_path / "adapter"), "--threads",
+              "1", "--prompt", "def wrap ( text )", "--max-new-tokens", "6", "--check"]
+    for mode in ("hard", "soft"):
+        assert main([*common, *(["--mode", mode] if mode != "hard" else []), "--json", str(tmp_path / "g.json")]) == 0
+        assert f"Focus mode {mode}; DynamicCache" in capsys.readouterr().out
+        assert json.loads((tmp_path / "g.json").read_text())["focus_config"]["mode"] == mode

@@ -662,6 +662,8 @@ class Record:
     def __init__(self, config: Settings, out: Path, json_name: str, **extra):
         check_device_option(config.device)
         check_kernels_can_run("--backend", config.backend, config.device)
+        for extra_backend in getattr(config, "extra_backends", ()):  # `bench focus --backends`
+            check_kernels_can_run("--backends", extra_backend, config.device)
         out = Path(out)
         try:
             out.mkdir(parents=True, exist_ok=True)

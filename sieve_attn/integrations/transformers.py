@@ -447,7 +447,7 @@ def _trained_fields(config, inference_fields: tuple[str, ...]) -> Optional[dict]
 def trained_configs(focus: Optional[FocusConfig], sfa: Optional[SFAConfig]) -> dict:
     """{"focus", "sfa"}: what an adapter or a training checkpoint must share with the model that takes it, as
     JSON-able dicts (None for a method not composed): every field but those that only change how the trained
-    parts are used (Focus: ``mode`` and ``backend``; SFA: ``backend``)."""
+    parts are used (Focus: ``mode``, ``backend`` and ``top_k``; SFA: ``backend``)."""
     return {"focus": _trained_fields(focus, FOCUS_INFERENCE_FIELDS),
             "sfa": _trained_fields(sfa, SFA_INFERENCE_FIELDS)}
 
@@ -460,7 +460,8 @@ def composed_configs(model: nn.Module) -> dict:
 def load_adapter(model: nn.Module, directory, *, weights_digest: Optional[str] = None) -> nn.Module:
     """Loads an adapter saved by :func:`save_adapter`, composing ``model`` first when it is still plain (with the
     adapter's configs, its Focus mode and SFA backend included). A model already composed with the adapter's
-    configs keeps its own mode and backends; one composed with another method besides (Focus and SFA, taking an SFA
+    configs keeps its own mode, backends and Focus top_k (hard routing's groups per token, which training never
+    reads); one composed with another method besides (Focus and SFA, taking an SFA
     adapter) keeps that method's state as it is. ``weights_digest``: that of the fine-tuned weights ``model``
     holds (:func:`sieve_attn.train.finetune.load_weights` returns it), None for its own.
 

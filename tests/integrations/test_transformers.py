@@ -927,11 +927,26 @@ def test_load_adapter_refuses_another_model(tmp_path, other):
     assert not hasattr(model, "sieve_config") or model.sieve_config is None
 
 
-@pytest.mark.parametrize("change", [dict(window=8), dict(top_k=2), dict(num_groups=2), dict(sink_tokens=0)])
+@pytest.mark.parametrize("change", [dict(window=8), dict(num_groups=2), dict(sink_tokens=0)])
 def test_load_adapter_refuses_another_focus_config(tmp_path, change):
     sa.save_adapter(_composed(), tmp_path)
     with pytest.raises(ValueError, match="model"):
         sa.load_adapter(_composed(**change), tmp_path)
+
+
+def test_load_adapter_keeps_the_models_inference_settings(tmp_path):
+    """top_k, like mode and backend, only says how hard routing uses the routers (reconfigure changes it freely):
+    a model composed with another value takes the adapter and keeps its own."""
+    trained = _composed()
+    sa.save_adapter(trained, tmp_path)
+    from sieve_attn.integrations.transformers import adapter_state
+
+    other_top_k = 1 if trained.sieve_config.top_k != 1 else 2
+    model = _composed(top_k=other_top_k)
+    sa.load_adapter(model, tmp_path)
+    assert model.sieve_config.top_k == other_top_k
+    for a, b in zip(adapter_state(trained).values(), adapter_state(model).values()):
+        assert torch.equal(a, b)
 
 
 def test_reconfigure_refuses_unknown_and_fixed_settings():

@@ -56,10 +56,10 @@ from sieve_attn.train.distributed import Distributed, buckets, fsdp_plugin, loca
 from sieve_attn.train.retrofit import RetrofitSettings, retrofit
 
 try:
-    from tests.models import VOCAB, threads, tiny_model
+    from tests.models import save_with_word_tokenizer, threads, tiny_model
     from tests.train.distributed_worker import model_for, train, windows
 except ImportError:  # pytest run from another directory: tests/ itself is on sys.path
-    from models import VOCAB, threads, tiny_model
+    from models import save_with_word_tokenizer, threads, tiny_model
     from train.distributed_worker import model_for, train, windows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,17 +272,9 @@ def test_early_stopping_on_two_processes_validates_and_keeps_the_best_like_one(t
 def cli_model(tmp_path_factory) -> tuple[Path, Path]:
     """(model folder, training text): a tiny Llama with a word-level tokenizer of its 100-token vocabulary, and the
     start of the standard library's textwrap.py holding CLI_WINDOWS windows of 32 tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("cli_model")
     text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator([text], trainers.WordLevelTrainer(vocab_size=VOCAB,
-                                                                    special_tokens=["[UNK]", "[EOS]"]))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(root)
-    tiny_model("llama", seed=0).save_pretrained(root)
+    tokenizer = save_with_word_tokenizer(tiny_model("llama", seed=0), root, text)
     tokens = CLI_WINDOWS * 32 + 10  # with the EOS appended: CLI_WINDOWS whole windows and a dropped tail
     train = root / "train.txt"
     train.write_text(text[: tokenizer.encode(text).offsets[tokens][0]])
