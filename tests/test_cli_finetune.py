@@ -260,7 +260,8 @@ def test_focus_retrofitted_onto_an_sfa_model(tmp_path):
     assert any(".sieve_focus." in name for name in both_tensors)
     with pytest.raises(SystemExit, match="--sfa-adapter: expected an adapter of `sieve finetune --method sfa`, "
                                          "got one of method 'focus\\+sfa'"):
-        main(["retrofit", *common, "--sfa-adapter", str(both / "adapter"), *weights, "--out", str(tmp_path / "x")])
+        main(["retrofit", *common, "--window", "8", "--sfa-adapter", str(both / "adapter"), *weights, "--out",
+              str(tmp_path / "x")])
     records = {}
     for name in ("sfa", "both"):
         path = tmp_path / f"{name}.json"
