@@ -644,10 +644,7 @@ def cmd_generate(args) -> int:
         raise SystemExit(f"--max-new-tokens: expected at least 1, got {args.max_new_tokens}")
     if not args.prompt:
         raise SystemExit("--prompt: expected text to continue, got ''")
-    if args.json is not None:
-        _check_json_option(args.json)
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit(f"--threads: expected at least 1, got {args.threads}")
+    _check_common_options(args)  # --json, --threads
     with _errors_of("--adapter"):
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
     focus = saved is not None and saved.get("focus") is not None
