@@ -649,8 +649,8 @@ def cmd_generate(args) -> int:
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
     focus = saved is not None and saved.get("focus") is not None
     if args.mode is not None and not focus:
-        raise SystemExit(f"--mode: for an adapter with Focus; got {'none' if saved is None else 'one of method '}"
-                         f"{'' if saved is None else repr(saved.get('method'))}")
+        got = "none" if saved is None else f"one of method {saved.get('method')!r}"
+        raise SystemExit(f"--mode: for an adapter with Focus; got {got}")
     _check_sfa_backend_option(args, saved)
     model, tokenizer, weights = _setup_with_weights(args, saved)
     if saved is not None:
@@ -665,7 +665,8 @@ def cmd_generate(args) -> int:
     print(f"{args.prompt}{record['text']}")
     routing = f"Focus mode {model.sieve_config.mode}; " if focus else ""
     print(f"{record['new_tokens']} tokens in {record['seconds']:.2f} s ({record['tokens_per_s']:.1f} tokens/s); "
-          f"{routing}{record['cache']['kind']}: its tokens {mib['held_bytes']} MiB ({mib['allocated_bytes']} allocated), "
+          f"{routing}{record['cache']['kind']}: its tokens {mib['held_bytes']} MiB "
+          f"({mib['allocated_bytes']} allocated), "
           f"a dense K+V cache of them {mib['dense_bytes']} MiB")
     if args.check:
         print("equals recomputation without a cache: " + ("yes" if record["equals_recomputation"] else "NO"))
