@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 42, call A (named nvidia-h200): the SFA decode pool's knobs swept on the H200 (session 36 tuned the
-# shrinking units on an H100 only), 128K, D = 128, GQA 32/8, gated, 7 interleaved rounds; the best (pick_knobs.py)
+# shrinking units on an H100 only), 128K, D = 128, GQA 32/8, gated, 5 interleaved rounds; the best (pick_knobs.py)
 # set in the device copy; then the gated `sieve bench sfa` decode rows twice, each its own process.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
