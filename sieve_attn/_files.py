@@ -2,6 +2,7 @@
 safetensors files that say which argument gave an unreadable one."""
 from __future__ import annotations
 
+import glob
 import os
 import re
 import secrets
@@ -25,7 +26,7 @@ def atomic_write(path, write) -> None:
     process."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*"):
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*"):
         if not re.fullmatch(rf"\.{re.escape(path.name)}\.[0-9a-f]{{{2 * TOKEN_BYTES}}}", stale.name):
             continue  # not a name this function gives: someone else's file
         shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink(missing_ok=True)

@@ -69,13 +69,16 @@ def _train_args(parser: argparse.ArgumentParser, steps: int, lr: float = 1e-2) -
                             "library's training split (its top-level modules but the held-out ones), stdlib-packages "
                             "for its packages and stdlib-tests for its test suites (more text of the held-out "
                             "files' kind; codec tables, installed packages and every file named after a held-out "
-                            "module left out); a folder of one of those names: ./stdlib (default: stdlib)")
+                            "module left out); a folder of one of those names: ./stdlib. A folder gives its .py, "
+                            ".txt, .md, .rst and suffix-less files, recursively, none under a name that starts with "
+                            "'.' (.git); all read as UTF-8 (default: stdlib)")
 
 
 def _eval_args(parser: argparse.ArgumentParser, windows: int) -> None:
     group = parser.add_argument_group("evaluation")
     group.add_argument("--eval-text", default=None,
-                       help="file or folder of held-out text (default: the standard library's held-out files)")
+                       help="file or folder of held-out text, read as --train-text's; a file both name is "
+                            "warned of (default: the standard library's held-out files)")
     group.add_argument("--eval-windows", type=int, default=windows, help=f"held-out windows to score ({windows})")
 
 
@@ -307,9 +310,14 @@ def _setup(args):
     _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from .models import load_model
+    from .models import DEFAULT_MODEL, load_model
 
-    return load_model(args.model, device=args.device)
+    try:
+        return load_model(args.model, device=args.device)
+    except (OSError, ValueError) as error:  # transformers' words for a folder or hub id it cannot load
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SystemExit(f"--model: expected {DEFAULT_MODEL!r}, a folder of a transformers model or a hub id this "
+                         f"machine can load, got {args.model!r} ({reason})") from None
 
 
 def _files(text, split: int) -> list:
@@ -398,13 +406,22 @@ def _clear_earlier_run(args) -> None:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
-def _windows(tokenizer, text, split: int, context: int, count):
-    """Token windows of ``text`` (:func:`_files`); exits, naming --train-text (split 0) or --eval-text (1), when
-    it holds fewer than ``context`` tokens."""
+def _windows(tokenizer, text, split: int, context: int, count: int, files=None):
+    """At most ``count`` token windows of ``text`` (:func:`_files`; ``files``: its files where they are already
+    listed); exits, naming --train-text (split 0) or --eval-text (1), when it holds fewer than ``context`` tokens,
+    and warns when it holds fewer than ``count`` windows: a held-out score is then of less text than asked, and
+    training takes the windows over again."""
     from .data.text import token_windows
 
-    with _errors_of("--eval-text" if split else "--train-text"):
-        return token_windows(tokenizer, _files(text, split), context, count)
+    option = "--eval-text" if split else "--train-text"
+    with _errors_of(option):
+        windows = token_windows(tokenizer, _files(text, split) if files is None else files, context, count)
+    if len(windows) < count:
+        asked, effect = ("--eval-windows", "the perplexity is of these") if split else (
+            "--steps x --batch-size", f"each is trained on about {count / len(windows):.1f} times")
+        print(f"{option}: {len(windows)} windows of --context {context} tokens, fewer than the {count} of {asked}; "
+              f"{effect}", file=sys.stderr)
+    return windows
 
 
 def _focus_config(args):
@@ -416,21 +433,31 @@ def _focus_config(args):
 
 
 def _check_common_options(args) -> None:
-    """Exits unless --context and, where the command has them, --eval-windows and --threads are at least 1,
-    --train-text and --eval-text name text that exists (listed, not read) and --json a file this run can write:
-    cheap before the model loads."""
+    """Exits unless --context is at least 2 and, where the command has them, --eval-windows and --threads at least
+    1, --train-text and --eval-text name text that exists (listed, not read) and --json a file this run can write:
+    cheap before the model loads. Warns when --train-text and --eval-text share a file (the held-out score would
+    not be held out)."""
     if getattr(args, "json", None) is not None:
         _check_json_option(args.json)
-    for option in ("context", "eval_windows", "threads"):
+    if getattr(args, "context", None) is not None and args.context < 2:
+        raise SystemExit(f"--context: expected at least 2 (a window scores each token after its first), got "
+                         f"{args.context}")
+    for option in ("eval_windows", "threads"):
         value = getattr(args, option, None)
         if value is not None and value < 1:
             raise SystemExit(f"--{option.replace('_', '-')}: expected at least 1, got {value}")
+    listed = {}
     for option, split in (("train_text", 0), ("eval_text", 1)):
         if hasattr(args, option):
             try:
-                _files(getattr(args, option), split)
+                listed[option] = {path.resolve() for path in _files(getattr(args, option), split)}
             except ValueError as error:
                 raise SystemExit(f"--{option.replace('_', '-')}: {str(error).partition(': ')[2]}") from None
+    shared = sorted(listed.get("train_text", set()) & listed.get("eval_text", set()))
+    if shared:
+        named = ", ".join(str(path) for path in shared[:3]) + (", ..." if len(shared) > 3 else "")
+        print(f"--train-text, --eval-text: {len(shared)} file(s) in both ({named}): the held-out perplexity is of "
+              f"text the run trains on", file=sys.stderr)
 
 
 # A hub id: "name" or "owner/name" of letters, digits, "-", "_" and "." (transformers asks the hub for it).
@@ -870,7 +897,7 @@ def _distill_weight(args) -> float:
 def cmd_finetune(args) -> int:
     from . import SFAConfig, compose, save_adapter
     from ._checks import check_kernels_can_run
-    from .data.text import hold_back, token_windows
+    from .data.text import hold_back
     from .eval.perplexity import perplexity
     from ._provenance import environment
     from .eval.report import write_json
@@ -939,7 +966,7 @@ def cmd_finetune(args) -> int:
     if args.validate_every:
         with _errors_of("--validation-windows"):
             train_files, validation = hold_back(tokenizer, train_files, args.context, args.validation_windows)
-    windows = token_windows(tokenizer, train_files, args.context, args.steps * args.batch_size)
+    windows = _windows(tokenizer, args.train_text, 0, args.context, args.steps * args.batch_size, files=train_files)
     uncalibrated, calibration = None, windows[:args.calibration_windows]  # the first ones, in file order
     if calibrated:  # first without: identity maps and all-1 weights, the paper's plain top-k
         uncalibrated = perplexity(model, held_out, desc="uncalibrated", progress=runtime.is_main)["ppl"]

@@ -64,6 +64,8 @@ def test_generate_refuses_an_sfa_backend_for_an_adapter_without_sfa_before_loadi
                                                    "such folder\\)"),
     (["eval", "ppl", "--device", "tpu"], "--device: expected cpu or a CUDA device torch sees"),
     (["generate", "--prompt", ""], "--prompt: expected text to continue, got ''"),
+    (["eval", "ppl", "--context", "1"], "--context: expected at least 2"),
+    (["eval", "ppl", "--eval-text", ""], "--eval-text: expected a file or folder, got ''"),
     (["generate", "--threads", "0"], "--threads: expected at least 1, got 0"),
     (["generate", "--mode", "soft"], "--mode: for an adapter with Focus; got none"),
     (["generate", "--adapter", "/no/such/adapter"], "--adapter: directory: expected an adapter folder"),
@@ -77,14 +79,14 @@ def test_eval_and_generate_refuse_bad_options_before_loading_the_model(argv, mes
 @pytest.mark.parametrize("argv, message", [
     (["retrofit", "--steps", "0"], r"--steps: expected an int in \[1, inf\], got 0"),
     (["retrofit", "--num-groups", "0"], r"--num-groups: expected an int in \[1"),
-    (["retrofit", "--context", "0"], "--context: expected at least 1, got 0"),
+    (["retrofit", "--context", "0"], r"--context: expected at least 2 \(a window scores each token after its first\), got 0"),
     (["retrofit", "--context", "32", "--window", "31"], r"--window: expected at most --context - 2 \(30\): a pair of "
                                                         r"tokens lies at most 31 apart, so every pair would be local"),
     (["demo", "--context", "256"], r"--window: expected at most --context - 2 \(254\).*got 256"),
     (["demo", "--batch-size", "2", "--micro-batch", "1"], "--train-routing: expected 'sinkhorn' when training with "
                                                           "micro-batches"),
     (["demo", "--eval-windows", "0"], "--eval-windows: expected at least 1, got 0"),
-    (["finetune", "--context", "0"], "--context: expected at least 1, got 0"),
+    (["finetune", "--context", "0"], r"--context: expected at least 2 \(a window scores each token after its first\), got 0"),
     (["finetune", "--train-text", "/no/such/text"], "--train-text: expected an existing file or folder, got "
                                                     "'/no/such/text'"),
     (["demo", "--eval-text", "/no/such/text"], "--eval-text: expected an existing file or folder"),
@@ -226,6 +228,35 @@ def test_train_text_takes_several_paths_in_order_and_stdlib_for_the_training_spl
     assert _files(tmp_path / "a.txt", 0) == [tmp_path / "a.txt"]  # a Path, as a caller of the function may pass
     with pytest.raises(ValueError, match="text: expected an existing file or folder"):
         _files(["stdlib", str(tmp_path / "missing")], 0)
+
+
+def test_text_shared_by_training_and_scoring_and_too_few_windows_are_warned_of(tmp_path, capsys):
+    from sieve_attn.cli import _check_common_options, _windows
+
+    text = tmp_path / "t.txt"
+    text.write_text("x" * 9)  # 10 tokens with the EOS
+    _check_common_options(build_parser().parse_args(["finetune", "--train-text", str(tmp_path), "--eval-text",
+                                                     str(text)]))
+    assert f"--train-text, --eval-text: 1 file(s) in both ({text.resolve()})" in capsys.readouterr().err
+    _check_common_options(build_parser().parse_args(["finetune", "--train-text", str(text)]))  # held out: stdlib's
+    assert capsys.readouterr().err == ""
+    assert _windows(_CharTokenizer(), str(text), 1, 4, 100).shape == (2, 4)
+    assert "--eval-text: 2 windows of --context 4 tokens, fewer than the 100 of --eval-windows" in \
+        capsys.readouterr().err
+    assert _windows(_CharTokenizer(), None, 0, 4, 1, files=[text]).shape == (1, 4)
+    assert capsys.readouterr().err == ""
+    assert _windows(_CharTokenizer(), None, 0, 5, 8, files=[text]).shape == (2, 5)
+    assert "--train-text: 2 windows of --context 5 tokens, fewer than the 8 of --steps x --batch-size; each is " \
+           "trained on about 4.0 times" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--train-text: text: expected at least 16 tokens, got 10"):
+        _windows(_CharTokenizer(), None, 0, 16, 1, files=[text])
+
+
+def test_a_model_folder_transformers_cannot_load_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="--model: expected 'smollm2-135m', a folder of a transformers model or a "
+                                         f"hub id this machine can load, got '{tmp_path / 'empty'}' \\("):
+        main(["eval", "ppl", "--model", str(tmp_path / "empty"), "--eval-text", __file__])
 
 
 def test_json_may_go_to_a_folder_yet_to_be_made_and_a_home_relative_model_folder_is_expanded(tmp_path, monkeypatch):

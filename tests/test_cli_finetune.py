@@ -184,6 +184,15 @@ def test_finetune_refuses_a_topk_above_the_head_dim_by_option(tmp_path):
         main(["finetune", "--context", "32", "--threads", "1", "--topk", "65", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow
+def test_finetune_names_training_text_too_short_for_a_window(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("hello world\n")
+    with pytest.raises(SystemExit, match="--train-text: text: expected at least 32 tokens, got"):
+        main(["finetune", "--method", "dense", "--context", "32", "--threads", "1", "--steps", "1",
+              "--eval-windows", "1", "--train-text", str(text), "--out", str(tmp_path / "out")])
+
+
 def test_finetune_refuses_no_calibration_windows(tmp_path):
     with pytest.raises(SystemExit, match="--calibration-windows: expected at least 1, got 0"):
         main(["finetune", "--context", "32", "--threads", "1", "--steps", "1", "--calibration-windows", "0",

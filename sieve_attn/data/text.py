@@ -55,13 +55,18 @@ def stdlib_more(tests: bool) -> list[Path]:
 
 
 def text_files(path) -> list[Path]:
-    """A file, or every text file under a folder (sorted, recursive)."""
+    """A file, or every text file under a folder (sorted, recursive; a file or folder whose name starts with "."
+    below it is skipped: a repository's ``.git`` holds binary objects with no suffix)."""
+    if not str(path):
+        # Path("") is the working directory: every text file under it would be read.
+        raise ValueError("text: expected a file or folder, got ''")
     path = Path(path)
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise ValueError(f"text: expected an existing file or folder, got {str(path)!r}")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
         raise ValueError(f"text: expected a folder holding text files, got {str(path)!r} with none")
     return files
@@ -70,13 +75,18 @@ def text_files(path) -> list[Path]:
 def token_windows(tokenizer, files, context: int, max_windows: int | None = None) -> torch.Tensor:
     """Non-overlapping windows [N, context] of the files' tokens, files joined by the EOS token, in order.
 
-    Tokenises only as many files as the windows need. The tail shorter than ``context`` is dropped.
+    Tokenises only as many files as the windows need. The tail shorter than ``context`` is dropped, so there may be
+    fewer than ``max_windows`` windows (at least one: too little text raises ValueError). Files are read as UTF-8
+    (undecodable bytes replaced), whatever the machine's locale, so the same text gives the same windows anywhere.
     """
+    context = check_int("context", context, 1)
+    if max_windows is not None:
+        check_int("max_windows", max_windows, 1)
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     need = None if max_windows is None else max_windows * context
     for path in files:
-        ids.extend(tokenizer(Path(path).read_text(errors="replace"))["input_ids"])
+        ids.extend(tokenizer(read_text(path))["input_ids"])
         if eos is not None:
             ids.append(eos)
         if need is not None and len(ids) >= need:
@@ -96,10 +106,19 @@ def hold_back(tokenizer, files, context: int, windows: int) -> tuple[list[Path],
     need, tokens, cut = windows * context, 0, len(files)
     while tokens < need and cut > 0:
         cut -= 1
-        tokens += len(tokenizer(files[cut].read_text(errors="replace"))["input_ids"])
+        tokens += len(tokenizer(read_text(files[cut]))["input_ids"])
         tokens += tokenizer.eos_token_id is not None  # token_windows joins files with it
-    if tokens < need or cut == 0:
+    # A file named twice (a folder and a file in it) is held back wherever it also stands among the rest.
+    held = {path.resolve() for path in files[cut:]}
+    train = [path for path in files[:cut] if path.resolve() not in held]
+    if tokens < need or not train:
         raise ValueError(f"validation_windows: expected fewer windows than the training text holds, held back by "
                          f"file ({windows} x {context} tokens leave none of its {len(files)} files to train on), "
                          f"got {windows}")
-    return files[:cut], token_windows(tokenizer, files[cut:], context, windows)
+    return train, token_windows(tokenizer, files[cut:], context, windows)
+
+
+def read_text(path) -> str:
+    """The text of a file read as UTF-8, undecodable bytes replaced (not the locale's encoding: the tokens must not
+    depend on the machine)."""
+    return Path(path).read_text(encoding="utf-8", errors="replace")

@@ -18,6 +18,10 @@ try:
     from tests.ops.test_focus_sdpa import DEVICE, make_groups
 except ImportError:  # pytest imported the test modules with tests/ on the path
     from ops.test_focus_sdpa import DEVICE, make_groups
+try:
+    from tests.backends import runs_backend
+except ImportError:  # pytest imported the test modules with tests/ on the path
+    from backends import runs_backend
 
 # The Triton backward kernels exponentiate a tile's logits before masking it (tl.where then drops the masked
 # entries): with the large replaced inputs a masked future pair overflows to inf there, which numpy warns of.
@@ -80,8 +84,8 @@ def test_focus_fast_paths_are_causal(backend, case):
         return focus_attention(q, k, v, (groups, future_groups)[which], window=window, causal=True, backend=backend)
 
     inputs = _inputs(q_heads, kv_heads, dim, seed=3)
-    # FlexAttention has no backward on the CPU
-    _check_causal(attend, inputs, _replace_future(inputs, seed=4), grads=backend != "flex" or DEVICE == "cuda")
+    with runs_backend("focus", backend):  # FlexAttention has no backward on the CPU
+        _check_causal(attend, inputs, _replace_future(inputs, seed=4), grads=backend != "flex" or DEVICE == "cuda")
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])
@@ -91,4 +95,5 @@ def test_sfa_fast_paths_are_causal(backend, q_heads, kv_heads, dim, topk):
         return sfa_attention(q, k, v, topk=topk, causal=True, backend=backend)
 
     inputs = _inputs(q_heads, kv_heads, dim, seed=5)
-    _check_causal(attend, inputs, _replace_future(inputs, seed=6))
+    with runs_backend("sfa", backend):
+        _check_causal(attend, inputs, _replace_future(inputs, seed=6))

@@ -21,6 +21,11 @@ from sieve_attn import sfa_attention, sparse_codes  # noqa: E402
 from sieve_attn.ops.sfa.codes import densify, sparsify  # noqa: E402
 from sieve_attn.ops.sfa.flash_sfa import dense_cuda_core_attention, sfa_attention_from_codes, tiling  # noqa: E402
 
+try:
+    from tests.backends import runs_backend  # noqa: E402
+except ImportError:  # pytest imported the test modules with tests/ on the path
+    from backends import runs_backend
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 # Absolute floor of the bound: float32 SDPA can be within 1e-7 of fp64, closer than any other summation order.
@@ -89,7 +94,8 @@ def test_matches_reference_forward_and_backward(case):
     grad = torch.randn(batch, hq, tq, dim, generator=torch.Generator().manual_seed(1), dtype=F64).to(DEVICE)
     kw = dict(topk=topk, causal=causal, softcap=softcap)
     exact = _run(_sfa("reference", **kw), q.double(), k.double(), v.double(), grad)
-    got = _run(_sfa("triton", **kw), q, k, v, grad)
+    with runs_backend("sfa", "triton"):
+        got = _run(_sfa("triton", **kw), q, k, v, grad)
     reference_low = _run(_sfa("reference", **kw), q, k, v, grad)
     base = reference_low if softcap else _run(_sdpa_sparse(topk, causal), q, k, v, grad)
     names = ("out", "dq", "dk", "dv")
@@ -171,7 +177,8 @@ def test_out_poisoned_with_nan_is_overwritten():
     q, k, v = _qkv(2, 4, 2, 63, 63, 32, BF16, seed=8)
     want = sfa_attention(q, k, v, topk=4, backend="triton")
     out = torch.full_like(q, float("nan"))
-    got = sfa_attention(q, k, v, topk=4, backend="triton", out=out)
+    with runs_backend("sfa", "triton"):
+        got = sfa_attention(q, k, v, topk=4, backend="triton", out=out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
 
 

@@ -19,6 +19,11 @@ from sieve_attn.ops.focus import sdpa_ops, segments
 from sieve_attn.ops.focus.attention import focus_attention, focus_backend
 from sieve_attn.ops.focus.decomposed import SortedGroups
 
+try:
+    from tests.backends import runs_backend
+except ImportError:  # pytest imported the test modules with tests/ on the path
+    from backends import runs_backend
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, BF16 = torch.float32, torch.bfloat16
 # Absolute floor of the bound: float32 SDPA can be within 1e-7 of fp64, closer than any other summation order.
@@ -69,7 +74,8 @@ def check_against_reference(case: str, spec: tuple, backend: str, spread: int = 
     groups = make_groups(batch, length, num_groups, slots, seed=seed, spread=spread, offset=offset, sink=sink)
     kw = dict(window=window, causal=causal, softcap=softcap, grads=grads)
     exact = run_backend(q.double(), k.double(), v.double(), groups, "reference", **kw)
-    fast = run_backend(q.to(dtype), k.to(dtype), v.to(dtype), groups, backend, **kw)
+    with runs_backend("focus", backend):
+        fast = run_backend(q.to(dtype), k.to(dtype), v.to(dtype), groups, backend, **kw)
     # PyTorch's own low-precision attention: SDPA with the pattern mask (it has no softcap: then the reference).
     baseline = run_backend(q.to(dtype), k.to(dtype), v.to(dtype), groups, "reference" if softcap else "dense", **kw)
     for name, got, ref, base in zip(("out", "dq", "dk", "dv"), fast, exact, baseline):
@@ -87,7 +93,8 @@ def check_lse_and_out(backend: str) -> None:
     ref, ref_lse = focus_attention(q.double(), k.double(), v.double(), groups, window=4, backend="reference",
                                    return_lse=True)
     out = torch.full_like(q, float("nan"))
-    got, lse = focus_attention(q, k, v, groups, window=4, backend=backend, return_lse=True, out=out)
+    with runs_backend("focus", backend):
+        got, lse = focus_attention(q, k, v, groups, window=4, backend=backend, return_lse=True, out=out)
     assert got.data_ptr() == out.data_ptr() and lse.dtype == torch.float32
     assert (got.double() - ref).abs().max() < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-5
 
@@ -418,11 +425,31 @@ def test_private_ops_take_the_arguments_we_pass(op):
     assert " ".join(argument.name for argument in schema.arguments) == SCHEMAS[op]
 
 
+class _RecordedAten:
+    """torch.ops.aten whose calls are recorded, each as (op name, {argument name: value}) by the op's schema, then
+    run."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.aten, name)
+
+        def call(*args, **kwargs):
+            names = [argument.name for argument in op.default._schema.arguments]
+            self.calls.append((name, {**dict(zip(names, args)), **kwargs}))
+            return op(*args, **kwargs)
+        return call
+
+
 @pytest.mark.parametrize("name, masked", [("cudnn", False), ("flash", False), ("efficient", False),
                                           ("efficient", True)])
-def test_cuda_families_plumb_gqa_shapes(name, masked):
+def test_cuda_families_plumb_gqa_shapes(name, masked, monkeypatch):
     # Meta tensors run the ops' shape functions: argument order, the lse layouts and the per-head-group loop of the
-    # memory-efficient kernel are checked without a GPU (numbers are checked by the GPU tests below).
+    # memory-efficient kernel are checked without a GPU (numbers are checked by the GPU tests below), and every call
+    # is recorded: causal unless a mask is passed, no dropout, the scale given.
+    aten = _RecordedAten()
+    monkeypatch.setattr(sdpa_ops, "_ATEN", aten)
     family = sdpa_ops.FAMILIES[name]
     q = torch.empty(3, 4, 10, 16, device="meta", dtype=BF16)
     k, v = (torch.empty(3, 2, 10, 16, device="meta", dtype=BF16) for _ in range(2))
@@ -431,6 +458,11 @@ def test_cuda_families_plumb_gqa_shapes(name, masked):
     assert out.shape == (3, 4, 10, 16) and lse.shape == (3, 4, 10)
     dq, dk, dv = family.backward(out, q, k, v, out, lse.float(), allowed, saved, 0.25)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    kernels = [(op, args) for op, args in aten.calls if op.startswith("_scaled_dot_product")]
+    assert {op.endswith("_backward") for op, _ in kernels} == {False, True}
+    for op, args in kernels:
+        assert args["is_causal"] is not masked and args["dropout_p"] == 0.0 and args["scale"] == 0.25, (op, args)
+        assert (args.get("attn_bias") is not None) == masked, op
 
 
 def test_memory_efficient_calls_pair_each_query_head_with_its_kv_head():

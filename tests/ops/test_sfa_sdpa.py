@@ -21,6 +21,11 @@ from sieve_attn.ops.sfa.attention import sfa_backend
 from sieve_attn.ops.sfa.codes import sparsify
 from sieve_attn.ops.triton_common import triton
 
+try:
+    from tests.backends import runs_backend
+except ImportError:  # pytest imported the test modules with tests/ on the path
+    from backends import runs_backend
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 FLOOR = {F32: 2e-6, F16: 5e-4, BF16: 1e-3}
@@ -88,7 +93,8 @@ def test_matches_reference_forward_and_backward(case):
     grad = torch.randn(batch, hq, tq, dim, generator=torch.Generator().manual_seed(1), dtype=F64).to(DEVICE)
     kw = dict(topk=topk, causal=causal)
     exact = _run("reference", q.double(), k.double(), v.double(), grad, **kw)
-    got = _run("sdpa", q, k, v, grad, **kw)
+    with runs_backend("sfa", "sdpa"):
+        got = _run("sdpa", q, k, v, grad, **kw)
     _assert_rule(case, got, exact, _pytorch_own(q, k, v, grad, **kw), FLOOR[dtype])
     assert got[0].dtype == dtype
     # straight-through: no gradient outside the kept coordinates
@@ -103,7 +109,8 @@ def test_padding_mask_and_a_fully_masked_row_into_a_poisoned_out():
     mask[0, :, :, :5] = False  # sequence 0: the first 5 keys are padding, so its queries 0-4 attend nothing
     grad = torch.randn(2, 4, 33, 32, generator=torch.Generator().manual_seed(2), dtype=F64).to(DEVICE)
     kw = dict(topk=6, causal=True, attn_mask=mask)
-    got = _run("sdpa", q, k, v, grad, **kw)
+    with runs_backend("sfa", "sdpa"):
+        got = _run("sdpa", q, k, v, grad, **kw)
     exact = _run("reference", q.double(), k.double(), v.double(), grad, **kw)
     _assert_rule("padding", got, exact, _pytorch_own(q, k, v, grad, **kw), FLOOR[F32])
     assert torch.all(got[0][0, :, :5] == 0) and torch.all(got[1][0, :, :5] == 0)
@@ -181,6 +188,8 @@ def test_sfa_attention_runs_the_backend_the_resolver_names(monkeypatch):
     q, k, v = _qkv(1, 2, 2, 8, 8, 16, F32, seed=3)
     calls = []
     monkeypatch.setattr(attention_module, "_resolve", lambda *args: calls.append(args[-1]) or ("sdpa", "test"))
-    got = sfa_attention(q, k, v, topk=4)
+    with runs_backend("sfa", "sdpa"):
+        got = sfa_attention(q, k, v, topk=4)
     assert calls == ["auto"]
-    torch.testing.assert_close(got, sfa_attention(q, k, v, topk=4, backend="sdpa"), rtol=0, atol=0)
+    want = attention_module.sfa_attention_sdpa(q, k, v, topk=4, causal=True, scale=16 ** -0.5, attn_mask=None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
