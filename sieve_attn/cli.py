@@ -10,6 +10,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -310,14 +311,13 @@ def _setup(args):
     _check_model_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from .models import DEFAULT_MODEL, load_model
+    from .models import load_model
 
     try:
         return load_model(args.model, device=args.device)
     except (OSError, ValueError) as error:  # transformers' words for a folder or hub id it cannot load
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise SystemExit(f"--model: expected {DEFAULT_MODEL!r}, a folder of a transformers model or a hub id this "
-                         f"machine can load, got {args.model!r} ({reason})") from None
+        _refuse_model(args.model, "this machine can load",
+                      str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
 
 
 def _files(text, split: int) -> list:
@@ -479,8 +479,15 @@ def _check_model_options(args) -> None:
         args.model = str(path)  # "~/models/x" quoted past the shell: transformers would read it as a hub id
         return
     if path.exists() or not _HUB_ID.fullmatch(model) or model.startswith("."):
-        raise SystemExit(f"--model: expected {DEFAULT_MODEL!r}, a folder of a transformers model or a hub id "
-                         f"(owner/name), got {model!r}" + ("" if path.exists() else " (no such folder)"))
+        _refuse_model(model, "(owner/name)", None if path.exists() else "no such folder")
+
+
+def _refuse_model(model: str, hub_id: str, reason: str | None) -> NoReturn:
+    """Exits naming --model: what it takes (a hub id as ``hub_id`` says), what came and, if given, why not."""
+    from .models import DEFAULT_MODEL
+
+    raise SystemExit(f"--model: expected {DEFAULT_MODEL!r}, a folder of a transformers model or a hub id {hub_id}, "
+                     f"got {model!r}" + (f" ({reason})" if reason else "")) from None
 
 
 def _check_json_option(path: Path) -> None:
