@@ -357,8 +357,13 @@ def compose(model: nn.Module, *configs) -> nn.Module:
     # Only the text decoder's: a vision tower keeps its own attention.
     key = next((name for name in getattr(model.config, "sub_configs", {}) if getattr(model.config, name, None) is text),
                None)
+    configs = _configs(model)
+    implementations = [config._attn_implementation_internal for config in configs]
     model.set_attn_implementation(ATTENTION_NAME if key is None else {key: ATTENTION_NAME})
     if text._attn_implementation != ATTENTION_NAME:  # transformers only warns
+        # ... and may still have set it on a sub-config no submodel owns (MPT's attn_config): put every one back.
+        for config, implementation in zip(configs, implementations):
+            config._attn_implementation_internal = implementation
         fail("model", "a model whose attention runs through transformers' attention interface",
              f"{type(model).__name__}, which computes attention itself (its attention implementation stays "
              f"{text._attn_implementation!r})")
@@ -376,6 +381,18 @@ def compose(model: nn.Module, *configs) -> nn.Module:
         model._reorder_cache = functools.partial(_reorder_cache, getattr(model, "_reorder_cache", None), routed)
     model.sieve_config, model.sieve_sfa_config = focus, sfa
     return model
+
+
+def _configs(model: nn.Module) -> list:
+    """Every config ``model.set_attn_implementation`` may change: the model's, its submodels', and their sub-configs
+    at any depth, each once."""
+    found, todo = {}, [model.config] + [module.config for module in model.modules() if hasattr(module, "config")]
+    while todo:
+        config = todo.pop()
+        if id(config) not in found and hasattr(config, "_attn_implementation_internal"):
+            found[id(config)] = config
+            todo.extend(getattr(config, name, None) for name in getattr(config, "sub_configs", {}))
+    return list(found.values())
 
 
 def check_attention_fits(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:

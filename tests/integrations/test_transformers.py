@@ -977,6 +977,8 @@ def _unfit_model(kind: str):
     small = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     if kind == "bloom":  # computes attention itself
         return tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4))
+    if kind == "mpt":  # computes attention itself, and its attn_config is a sub-config no submodel owns
+        return tf.MptForCausalLM(tf.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4))
     if kind == "falcon-alibi":
         return tf.FalconForCausalLM(tf.FalconConfig(**small, alibi=True))
     if kind == "gpt-oss":
@@ -988,9 +990,17 @@ def _unfit_model(kind: str):
                                                          decoder_ffn_dim=32, max_position_embeddings=64))
 
 
+def _attention_implementations(config) -> list:
+    """The attention implementation of config and of its sub-configs, depth first."""
+    subs = [getattr(config, name) for name in config.sub_configs if getattr(config, name) is not None]
+    return [config._attn_implementation] + [_attention_implementations(sub) for sub in subs]
+
+
 @pytest.mark.parametrize("kind, message", [
     ("bloom", "model: expected a model whose attention runs through transformers' attention interface, got "
               "BloomForCausalLM, which computes attention itself"),
+    ("mpt", "model: expected a model whose attention runs through transformers' attention interface, got "
+            "MptForCausalLM, which computes attention itself"),
     ("falcon-alibi", "model: expected a model without ALiBi position biases .*got FalconForCausalLM with alibi=True"),
     ("gpt-oss", "model: expected attention without learned attention sinks .*got model.layers.0.self_attn.sinks"),
     ("bart", "model: expected causal \\(decoder\\) self-attention modules only, got "
@@ -999,9 +1009,11 @@ def test_compose_refuses_attention_it_cannot_replace(kind, message):
     """Each of these composed silently before, and then ran its own attention unchanged (BLOOM), dropped a bias
     or the learned sinks from the logits (Falcon with ALiBi, GPT-OSS), or failed only when generating (BART)."""
     model = _unfit_model(kind).eval()
+    implementations = _attention_implementations(model.config)
     with pytest.raises(ValueError, match=message):
         sa.compose(model, sa.FocusConfig(**SPARSE))
     assert all(p.requires_grad for p in model.parameters())  # nothing changed
+    assert _attention_implementations(model.config) == implementations  # MPT's attn_config was left changed
     assert not any(name.endswith(".sieve_focus") for name, _ in model.named_modules())
 
 
