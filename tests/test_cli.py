@@ -155,7 +155,12 @@ def test_retrofit_then_eval_ppl(tmp_path, capsys):
 @pytest.mark.slow
 def test_demo_is_reproducible(tmp_path):
     """Two demos in separate processes (other random states, other string hashes) train and score alike. The local
-    window is shorter than the context, so that the routers matter (with the default 256 Focus equals dense here)."""
+    window is shorter than the context, so that the routers matter (with the default 256 Focus equals dense here).
+
+    Alike to 1e-4, not bit for bit: one fresh-clone run (2026-12-07) scored the dense model 24.233052 against
+    24.232829 in the other process, with equal losses, and could not be repeated (twelve runs, under load too; the
+    model's weights sit at 16-byte offsets, but MKL's matmuls and the CPU SDPA give equal bits at any offset). Other
+    router seeds move these perplexities by 1e-3 to 2e-1."""
     runs = []
     for name, hash_seed in (("a", "1"), ("b", "2")):
         argv = ["demo", "--context", "64", "--threads", "2", "--steps", "2", "--eval-windows", "1",
@@ -163,7 +168,11 @@ def test_demo_is_reproducible(tmp_path):
         subprocess.run([sys.executable, "-m", "sieve_attn.cli", *argv], check=True, capture_output=True,
                        env={**os.environ, "PYTHONHASHSEED": hash_seed})
         runs.append(json.loads((tmp_path / name / "results.json").read_text()))
-    assert runs[0]["loss_history"] == runs[1]["loss_history"] and runs[0]["rows"] == runs[1]["rows"]
+    numbers = [[loss for _, loss in run["loss_history"]]
+               + [row.pop(key) for row in run["rows"] for key in ("ppl", "nll")] for run in runs]
+    assert numbers[0] == pytest.approx(numbers[1], rel=1e-4)
+    assert [step for step, _ in runs[0]["loss_history"]] == [step for step, _ in runs[1]["loss_history"]]
+    assert runs[0]["rows"] == runs[1]["rows"]  # the rest: modes, tokens, pairs attended
 
 
 class _CharTokenizer:
