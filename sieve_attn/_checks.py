@@ -138,6 +138,11 @@ def check_softcap(softcap) -> float | None:
     return None if softcap is None else check_positive_float("softcap", softcap)
 
 
+def _one_or(size: int) -> str:
+    """A dimension that broadcasts: "1" or "1 or size"."""
+    return "1" if size == 1 else f"1 or {size}"
+
+
 def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
     if attn_mask is None:
         return None
@@ -146,7 +151,7 @@ def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
           and attn_mask.shape[0] in (1, b) and attn_mask.shape[1] in (1, hq) and tuple(attn_mask.shape[2:]) == (tq, tk))
     if not ok:
         got = f"{attn_mask.dtype} shape {tuple(attn_mask.shape)}" if isinstance(attn_mask, torch.Tensor) else attn_mask
-        fail("attn_mask", f"a bool tensor [1 or {b}, 1 or {hq}, {tq}, {tk}]", got)
+        fail("attn_mask", f"a bool tensor [{_one_or(b)}, {_one_or(hq)}, {tq}, {tk}]", got)
     if attn_mask.device != q.device:
         fail("attn_mask", f"a tensor on q's device ({q.device})", attn_mask.device)
     return attn_mask

@@ -423,6 +423,7 @@ BAD_CALLS = {
     "return_lse a string": (call(topk=4, return_lse="no"), ("return_lse",)),
     "backend of: q a list": (lambda: sa.sfa_backend([1.0]), ("q",)),
     "backend of: q int": (lambda: sa.sfa_backend(torch.ones(2, 8, dtype=torch.long)), ("q",)),
+    "backend of: q of head dim 0": (lambda: sa.sfa_backend(torch.ones(1, 1, 4, 0)), ("q",)),
     "backend of: attn_mask a string": (lambda: sa.sfa_backend(q0, attn_mask="x"), ("attn_mask",)),
     "backend of: attn_mask float": (lambda: sa.sfa_backend(q0, attn_mask=torch.ones(B, 1, T, T)), ("attn_mask",)),
     "backend of: return_lse None": (lambda: sa.sfa_backend(q0, return_lse=None), ("return_lse",)),
@@ -462,6 +463,15 @@ def test_bad_input_raises_value_error_naming_it(case):
     message = str(info.value)
     assert any(re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message) for name in names), \
         f"{case}: message {message!r} names none of {names}"
+
+
+@pytest.mark.parametrize("batch, expected", [(1, "[1, 1 or 4, 12, 12]"), (3, "[1 or 3, 1 or 4, 12, 12]")])
+def test_a_mask_of_the_wrong_shape_is_told_the_shapes_that_broadcast(batch, expected):
+    """A size of 1 was offered as "1 or 1"."""
+    q = torch.randn(batch, 4, 12, 8)
+    with pytest.raises(ValueError, match=re.escape(f"attn_mask: expected a bool tensor {expected}, got torch.bool "
+                                                   "shape (1, 1, 12, 11)")):
+        sa.sfa_attention(q, q, q, topk=2, attn_mask=torch.ones(1, 1, 12, 11, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])

@@ -105,9 +105,11 @@ def focus_attention(
     attended pair is counted once. A query with no attended key (possible only through ``attn_mask``) returns 0 and
     log-sum-exp -inf.
 
-    Returns out [B, Hq, Tq, D] (dtype of q), and lse [B, Hq, Tq] (float32, natural log) when ``return_lse``;
-    gradients flow to q, k and v from both. The "sdpa" backend's lse carries none: it refuses ``return_lse`` while
-    autograd records, and "auto" then takes another backend; so does "triton" for a decode step (Tq < Tk).
+    Returns out [B, Hq, Tq, D] (dtype of q; under ``torch.autocast`` the "dense" backend, which "auto" takes for
+    short sequences on CUDA, returns the autocast dtype, as SDPA does), and lse [B, Hq, Tq] (float32, natural log)
+    when ``return_lse``; gradients flow to q, k and v from both. The "sdpa" backend's lse carries none: it refuses
+    ``return_lse`` while autograd records, and "auto" then takes another backend. The "triton" decode step (Tq < Tk)
+    has no backward at all: it refuses q, k or v that require grad, and "auto" takes another backend.
     """
     attn_mask = check_attention_call(q, k, v, attn_mask=attn_mask, out=out)
     groups = FocusGroups.of(groups, q.shape[0], k.shape[2], q.device)
@@ -150,7 +152,8 @@ def focus_backend(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, *, cau
     """(backend, reason): the backend :func:`focus_attention` uses for these arguments, and why. ``v`` (optional)
     only tells whether gradients will be asked of it, as of q and k.
 
-    Raises ValueError for arguments :func:`focus_attention` refuses (their layout, not their values) and when an
+    Raises ValueError for arguments :func:`focus_attention` refuses (the tensors' layout and the group ids'
+    values, which costs a host synchronisation as the op's own check does; not q, k and v's values) and when an
     explicitly requested backend cannot serve the call."""
     check_qkv(q, k, k if v is None else v)
     attn_mask, softcap = check_attn_mask(attn_mask, q, k), check_softcap(softcap)
@@ -257,7 +260,8 @@ def focus_soft_attention(
 
     Args:
         assign: [B, Tk, K] non-negative soft memberships (rows usually sum to 1); the affinity of a pair is
-            a_ij = assign_i . assign_j. A row of ones makes a token affine to every token (a = 1).
+            a_ij = assign_i . assign_j: 1 for two tokens wholly in one group, 0 for two that share none, K for
+            two rows of ones.
         gate: ``"log"`` adds log(a_ij + 1e-6) to the logits of pairs outside the window (tends to the hard mask);
             ``"multiplicative"`` multiplies them by sigmoid(gate_lambda * a_ij) (the paper's Eq. 2, literal).
         Other arguments as in :func:`focus_attention`; the gate acts after softcap.

@@ -95,10 +95,10 @@ def sfa_backend(q: torch.Tensor, *, softcap: Optional[float] = None, attn_mask: 
     """(backend, reason): the backend :func:`sfa_attention` uses for a call with these arguments (q [..., D] read
     for its device, dtype and head dim only), and why. Raises ValueError when an explicitly requested backend cannot
     serve the call, as :func:`sfa_attention` does, and for arguments it would refuse: q not a float tensor with a
-    head dim, attn_mask not a bool tensor (its shape is checked against q and k by :func:`sfa_attention`)."""
-    if getattr(q, "dtype", None) not in FLOAT_DTYPES or len(getattr(q, "shape", ())) == 0:
-        fail("q", "a float tensor [..., D]", f"{q.dtype} shape {tuple(q.shape)}" if isinstance(q, torch.Tensor)
-             else type(q).__name__)
+    head dim D >= 1, attn_mask not a bool tensor (its shape is checked against q and k by :func:`sfa_attention`)."""
+    if getattr(q, "dtype", None) not in FLOAT_DTYPES or len(getattr(q, "shape", ())) == 0 or q.shape[-1] == 0:
+        fail("q", "a float tensor [..., D] with D >= 1",
+             f"{q.dtype} shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__)
     if attn_mask is not None and not (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool):
         fail("attn_mask", "None or a bool tensor", getattr(attn_mask, "dtype", type(attn_mask).__name__))
     return _resolve(q, attn_mask, check_softcap(softcap), check_bool("return_lse", return_lse), backend)
