@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 
 import torch
 
@@ -109,14 +110,18 @@ def check_no_nan(**tensors: torch.Tensor) -> None:
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    """``value`` as a Python int, where it is an integer in [low, high] (high None: no bound): an int or any other
+    integral number (numpy's), never a bool."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low and \
+        (high is None or value <= high)
     if not ok:
         fail(name, f"an int in [{low}, {'inf' if high is None else high}]", repr(value))
-    return value
+    return int(value)
 
 
 def check_positive_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    """``value`` as a Python float, where it is a finite real number > 0 (numpy's too), never a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         fail(name, "a finite positive number", repr(value))
     return float(value)
 

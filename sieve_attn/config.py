@@ -1,6 +1,7 @@
 """Configuration of the sparse-attention methods a model can be composed with."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass
 
 from ._checks import check_choice, check_int, check_positive_float, fail
@@ -12,6 +13,12 @@ FOCUS_BACKENDS = ("auto", "reference", "dense", "triton")
 FOCUS_INFERENCE_FIELDS = ("mode", "backend", "top_k")
 # Likewise for SFA: which kernels compute the scores.
 SFA_INFERENCE_FIELDS = ("backend",)
+
+
+def _store(config, name: str, value) -> None:
+    """Sets a field of a frozen config to its checked value (numpy numbers become Python ones, so that the config
+    compares, hashes and writes to JSON as one built from Python numbers)."""
+    object.__setattr__(config, name, value)
 
 
 class _Serialisable:
@@ -65,17 +72,19 @@ class FocusConfig(_Serialisable):
     backend: str = "auto"
 
     def __post_init__(self):
-        check_int("num_groups", self.num_groups, 1)
-        check_int("group_dim", self.group_dim, 1)
-        check_int("window", self.window, 0)
-        check_int("top_k", self.top_k, 1, self.num_groups)
-        check_positive_float("tau", self.tau)
-        check_int("sinkhorn_iters", self.sinkhorn_iters, 1)
+        _store(self, "num_groups", check_int("num_groups", self.num_groups, 1))
+        _store(self, "group_dim", check_int("group_dim", self.group_dim, 1))
+        _store(self, "window", check_int("window", self.window, 0))
+        _store(self, "top_k", check_int("top_k", self.top_k, 1, self.num_groups))
+        _store(self, "tau", check_positive_float("tau", self.tau))
+        _store(self, "sinkhorn_iters", check_int("sinkhorn_iters", self.sinkhorn_iters, 1))
         check_choice("gate", self.gate, ("log", "multiplicative"))
-        check_positive_float("gate_lambda", self.gate_lambda)
-        check_int("sink_tokens", self.sink_tokens, 0)
-        if not isinstance(self.bias_momentum, (int, float)) or not 0 <= self.bias_momentum < 1:
-            fail("bias_momentum", "a number in [0, 1)", repr(self.bias_momentum))
+        _store(self, "gate_lambda", check_positive_float("gate_lambda", self.gate_lambda))
+        _store(self, "sink_tokens", check_int("sink_tokens", self.sink_tokens, 0))
+        momentum = self.bias_momentum
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum < 1:
+            fail("bias_momentum", "a number in [0, 1)", repr(momentum))
+        _store(self, "bias_momentum", float(momentum))
         check_choice("train_routing", self.train_routing, ("sinkhorn", "causal"))
         check_choice("mode", self.mode, FOCUS_MODES)
         check_choice("backend", self.backend, FOCUS_BACKENDS)
@@ -123,7 +132,7 @@ class SFAConfig(_Serialisable):
     selection: str = "magnitude"
 
     def __post_init__(self):
-        check_int("topk", self.topk, 1)
+        _store(self, "topk", check_int("topk", self.topk, 1))
         if not isinstance(self.feature_map, bool):
             fail("feature_map", "True or False", repr(self.feature_map))
         check_choice("backend", self.backend, SFA_BACKENDS)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,13 +24,23 @@ def smollm2_gguf() -> Path:
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model in eval mode, tokenizer) for ``name``: the default model, a local folder, or a hub id (needs network)."""
+    """(model in eval mode, tokenizer) for ``name``: the default model (``DEFAULT_MODEL``, even where a folder of
+    that name is in the working directory: ``./smollm2-135m`` names the folder; a warning says so), a local folder,
+    or a hub id (needs network). ValueError where the tokenizer has more ids than the model has input embeddings
+    (a folder whose tokenizer is another model's): its ids would index past them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
     if name == DEFAULT_MODEL:
+        if Path(name).is_dir():
+            warnings.warn(f"loading the default model {DEFAULT_MODEL!r}, not the folder of that name here; pass "
+                          f"'./{DEFAULT_MODEL}' to load the folder", stacklevel=2)
         gguf = smollm2_gguf()
         name, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise ValueError(f"tokenizer: expected at most the model's {embeddings} token ids, got a tokenizer of "
+                         f"{len(tokenizer)} ids")
     return model.eval(), tokenizer

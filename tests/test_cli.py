@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -266,6 +267,35 @@ def test_a_model_folder_transformers_cannot_load_is_named(tmp_path):
     with pytest.raises(SystemExit, match="--model: expected 'smollm2-135m', a folder of a transformers model or a "
                                          f"hub id this machine can load, got '{tmp_path / 'empty'}' \\("):
         main(["eval", "ppl", "--model", str(tmp_path / "empty"), "--eval-text", __file__])
+
+
+def test_a_model_folder_whose_tokenizer_outgrows_its_embeddings_is_named(tmp_path):
+    """A tokenizer of more ids than the model's input embeddings (another model's tokenizer in the folder) would
+    index past them at the first forward (torch's IndexError): refused before, with both counts."""
+    from tests.models import save_with_word_tokenizer
+
+    save_with_word_tokenizer(tiny_model("llama", vocab_size=VOCAB - 10), tmp_path / "model",
+                             " ".join(f"w{i}" for i in range(2 * VOCAB)))
+    with pytest.raises(SystemExit, match=f"--model: expected .* got '{tmp_path / 'model'}' \\(tokenizer: expected at "
+                                         f"most the model's {VOCAB - 10} token ids, got a tokenizer of {VOCAB} ids"):
+        main(["eval", "ppl", "--model", str(tmp_path / "model"), "--eval-text", __file__])
+
+
+def test_a_folder_named_as_the_default_model_is_not_loaded_and_a_warning_says_how_to_load_it(tmp_path, monkeypatch):
+    import sieve_attn.models as models
+
+    def not_loaded():
+        raise FileNotFoundError("stop here")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "smollm2_gguf", not_loaded)
+    with warnings.catch_warnings(), pytest.raises(FileNotFoundError, match="stop here"):
+        warnings.simplefilter("error")  # no warning without the folder
+        models.load_model()
+    (tmp_path / models.DEFAULT_MODEL).mkdir()
+    with pytest.warns(UserWarning, match="not the folder of that name here; pass './smollm2-135m' to load the"), \
+            pytest.raises(FileNotFoundError, match="stop here"):
+        models.load_model()
 
 
 def test_json_may_go_to_a_folder_yet_to_be_made_and_a_home_relative_model_folder_is_expanded(tmp_path, monkeypatch):

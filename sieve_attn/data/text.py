@@ -81,7 +81,7 @@ def token_windows(tokenizer, files, context: int, max_windows: int | None = None
     """
     context = check_int("context", context, 1)
     if max_windows is not None:
-        check_int("max_windows", max_windows, 1)
+        max_windows = check_int("max_windows", max_windows, 1)
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     need = None if max_windows is None else max_windows * context

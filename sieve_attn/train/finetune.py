@@ -11,6 +11,7 @@ sweep in docs/results.md.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -60,9 +61,10 @@ class FinetuneSettings(loop.TrainSettings):
         super().check(processes)
         for name in ("matching_weight", "distill_weight", "sparsity_weight"):
             weight = getattr(self, name)
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not 0 <= weight < math.inf:
                 fail(name, "a finite number >= 0", repr(weight))
-        check_int("topk_warmup", self.topk_warmup, 0)
+            setattr(self, name, float(weight))
+        self.topk_warmup = check_int("topk_warmup", self.topk_warmup, 0)
         if self.mixed_precision not in MIXED_PRECISION:
             fail("mixed_precision", f"one of {sorted(MIXED_PRECISION)}", repr(self.mixed_precision))
 

@@ -43,15 +43,16 @@ class TrainSettings:
     def check(self, processes: int = 1) -> None:
         """ValueError unless ``steps``, ``batch_size`` and ``checkpoint_every`` are ints >= 1, ``micro_batch`` None
         or an int >= 1, ``warmup`` and ``validate_every`` ints >= 0, ``lr`` a finite number > 0, and the batch
-        splits evenly over ``processes`` and each process's share into micro-batches."""
-        check_int("steps", self.steps, 1)
-        check_int("batch_size", self.batch_size, 1)
-        check_int("checkpoint_every", self.checkpoint_every, 1)
+        splits evenly over ``processes`` and each process's share into micro-batches. Numpy numbers are replaced by
+        Python ones (the settings go to checkpoints as JSON)."""
+        self.steps = check_int("steps", self.steps, 1)
+        self.batch_size = check_int("batch_size", self.batch_size, 1)
+        self.checkpoint_every = check_int("checkpoint_every", self.checkpoint_every, 1)
         if self.micro_batch is not None:
-            check_int("micro_batch", self.micro_batch, 1)
-        check_int("warmup", self.warmup, 0)
-        check_int("validate_every", self.validate_every, 0)
-        check_positive_float("lr", self.lr)
+            self.micro_batch = check_int("micro_batch", self.micro_batch, 1)
+        self.warmup = check_int("warmup", self.warmup, 0)
+        self.validate_every = check_int("validate_every", self.validate_every, 0)
+        self.lr = check_positive_float("lr", self.lr)
         if self.batch_size % processes:
             fail("batch_size", f"a multiple of the {processes} processes (each takes an equal share of every batch)",
                  self.batch_size)

@@ -174,6 +174,33 @@ def test_focus_config_accepts_valid_and_round_trips():
         FocusConfig.from_dict({**config.to_dict(), "bogus": 1})
 
 
+def test_configs_and_calls_take_numpy_numbers_as_python_ones():
+    """Numpy integers and floats (a sweep over np.arange) are taken where an int or a number is asked, and stored as
+    Python numbers: the config equals, hashes and writes to JSON as the one built from Python numbers; numpy's
+    bools are still refused where an int is asked."""
+    import json
+
+    import numpy as np
+
+    from sieve_attn import SFAConfig
+    from sieve_attn.train.finetune import FinetuneSettings
+
+    config = FocusConfig(num_groups=np.int64(4), top_k=np.int32(2), tau=np.float32(0.5), window=np.uint8(3),
+                         bias_momentum=np.float64(0.5))
+    plain = FocusConfig(num_groups=4, top_k=2, tau=0.5, window=3, bias_momentum=0.5)
+    assert config == plain and hash(config) == hash(plain)
+    assert json.dumps(config.to_dict()) == json.dumps(plain.to_dict())
+    assert type(SFAConfig(topk=np.int16(8)).topk) is int
+    settings = FinetuneSettings(steps=np.int64(3), lr=np.float32(0.25), matching_weight=np.float64(2))
+    settings.check()
+    assert json.dumps(vars(settings)) == json.dumps(vars(FinetuneSettings(steps=3, lr=0.25, matching_weight=2.0)))
+    q, k, v = qkv()
+    out = focus_attention(q, k, v, groups2d(), window=np.int64(2), backend="reference")
+    assert torch.equal(out, focus_attention(q, k, v, groups2d(), window=2, backend="reference"))
+    with pytest.raises(ValueError, match=r"^num_groups: expected an int in \[1, inf\], got np.True_"):
+        FocusConfig(num_groups=np.True_)
+
+
 def test_a_non_contiguous_out_is_named_so():
     with pytest.raises(ValueError, match=r"^out: expected a contiguous .*, got a non-contiguous torch.float32"):
         BAD_CALLS["out not contiguous"][0]()

@@ -31,7 +31,7 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tens
 
     Returns (log_assign [B, T, K], potentials [B, K]) with log_assign == log_softmax(logits + potentials[:, None]).
     """
-    check_int("iters", iters, 1)
+    iters = check_int("iters", iters, 1)
     log_q = logits.float()
     potentials = torch.zeros(logits.shape[0], logits.shape[2], device=logits.device, dtype=torch.float32)
     for _ in range(iters):
