@@ -119,11 +119,16 @@ def check_int(name: str, value, low: int, high: int | None = None) -> int:
     return int(value)
 
 
-def check_positive_float(name: str, value) -> float:
-    """``value`` as a Python float, where it is a finite real number > 0 (numpy's too), never a bool."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        fail(name, "a finite positive number", repr(value))
+def check_real(name: str, value, within, expected: str) -> float:
+    """``value`` as a Python float, where it is a real number (numpy's too, never a bool) for which ``within``
+    (value) holds (NaN fails any comparison); else ValueError saying ``expected``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not within(value):
+        fail(name, expected, repr(value))
     return float(value)
+
+
+def check_positive_float(name: str, value) -> float:
+    return check_real(name, value, lambda x: 0 < x < math.inf, "a finite positive number")
 
 
 def check_choice(name: str, value, choices) -> str:

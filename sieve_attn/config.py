@@ -1,10 +1,9 @@
 """Configuration of the sparse-attention methods a model can be composed with."""
 from __future__ import annotations
 
-import numbers
 from dataclasses import asdict, dataclass
 
-from ._checks import check_choice, check_int, check_positive_float, fail
+from ._checks import check_choice, check_int, check_positive_float, check_real, fail
 
 FOCUS_MODES = ("train", "soft", "hard", "dense")
 FOCUS_BACKENDS = ("auto", "reference", "dense", "triton")
@@ -81,10 +80,8 @@ class FocusConfig(_Serialisable):
         check_choice("gate", self.gate, ("log", "multiplicative"))
         _store(self, "gate_lambda", check_positive_float("gate_lambda", self.gate_lambda))
         _store(self, "sink_tokens", check_int("sink_tokens", self.sink_tokens, 0))
-        momentum = self.bias_momentum
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum < 1:
-            fail("bias_momentum", "a number in [0, 1)", repr(momentum))
-        _store(self, "bias_momentum", float(momentum))
+        _store(self, "bias_momentum", check_real("bias_momentum", self.bias_momentum, lambda x: 0 <= x < 1,
+                                                 "a number in [0, 1)"))
         check_choice("train_routing", self.train_routing, ("sinkhorn", "causal"))
         check_choice("mode", self.mode, FOCUS_MODES)
         check_choice("backend", self.backend, FOCUS_BACKENDS)

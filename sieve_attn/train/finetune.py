@@ -11,7 +11,6 @@ sweep in docs/results.md.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .._checks import check_int, check_tensors_fit, fail
+from .._checks import check_int, check_real, check_tensors_fit, fail
 from .._files import atomic_write, read_safetensors
 from ..integrations.transformers import LAYER_ATTR, SFA_ATTR, composed_configs, head_dim, sfa_layers
 from . import distributed, loop
@@ -60,10 +59,8 @@ class FinetuneSettings(loop.TrainSettings):
         ``mixed_precision`` one of :data:`MIXED_PRECISION`."""
         super().check(processes)
         for name in ("matching_weight", "distill_weight", "sparsity_weight"):
-            weight = getattr(self, name)
-            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not 0 <= weight < math.inf:
-                fail(name, "a finite number >= 0", repr(weight))
-            setattr(self, name, float(weight))
+            setattr(self, name, check_real(name, getattr(self, name), lambda x: 0 <= x < math.inf,
+                                           "a finite number >= 0"))
         self.topk_warmup = check_int("topk_warmup", self.topk_warmup, 0)
         if self.mixed_precision not in MIXED_PRECISION:
             fail("mixed_precision", f"one of {sorted(MIXED_PRECISION)}", repr(self.mixed_precision))
