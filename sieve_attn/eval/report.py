@@ -17,14 +17,13 @@ MODES = ("dense", "soft", "hard")
 ALL_MODES = (*MODES, "sfa")
 
 
-def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int = 1,
-                   progress: bool = True) -> list[dict]:
-    """One PPL row per mode, in order. On a plain model only "dense" applies (the model's own attention); on a
-    model composed with SFA alone only "sfa" (its SFA attention); on a model composed with Focus each of dense, soft
-    and hard is switched to in turn (soft and hard route causally); on one composed with Focus and SFA each of sfa
-    (Focus switched to "dense": SFA scores over every causal pair), soft and hard (SFA scores inside the Focus
-    pattern). The model is then left in the Focus mode it had."""
-    rows = []
+def each_mode(model, modes=MODES):
+    """Yields each of ``modes`` in order, with ``model`` switched to it while the caller scores it. On a plain model
+    only "dense" applies (the model's own attention); on a model composed with SFA alone only "sfa" (its SFA
+    attention); on a model composed with Focus each of dense, soft and hard is switched to in turn (soft and hard
+    route causally); on one composed with Focus and SFA each of sfa (Focus switched to "dense": SFA scores over
+    every causal pair), soft and hard (SFA scores inside the Focus pattern). Every mode is checked before the first
+    is yielded (ValueError naming ``modes``); the model is left in the Focus mode it had."""
     composed = has_focus(model)
     with_sfa = getattr(model, "sieve_sfa_config", None) is not None
     if composed and with_sfa:
@@ -35,16 +34,25 @@ def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int
         allowed, kind = ("sfa",), "a model composed with SFA alone"
     else:
         allowed, kind = ("dense",), "a plain model"
-    previous = model.sieve_config.mode if composed else None
     for mode in modes:
         if mode not in allowed:
             fail("modes", f"one of {', '.join(allowed)} for {kind}", mode)
+    previous = model.sieve_config.mode if composed else None
+    try:
+        for mode in modes:
+            if composed:
+                set_focus_mode(model, "dense" if mode == "sfa" else mode)
+            yield mode
+    finally:
         if composed:
-            set_focus_mode(model, "dense" if mode == "sfa" else mode)
-        rows.append({"mode": mode, **perplexity(model, windows, batch_size=batch_size, desc=mode, progress=progress)})
-    if composed:
-        set_focus_mode(model, previous)
-    return rows
+            set_focus_mode(model, previous)
+
+
+def evaluate_modes(model, windows: torch.Tensor, modes=MODES, *, batch_size: int = 1,
+                   progress: bool = True) -> list[dict]:
+    """One PPL row per mode, in order, each scored in that mode (:func:`each_mode`)."""
+    return [{"mode": mode, **perplexity(model, windows, batch_size=batch_size, desc=mode, progress=progress)}
+            for mode in each_mode(model, modes)]
 
 
 def router_parameter_count(model) -> int:
