@@ -41,8 +41,8 @@ def plot_passkey(rates: dict, lengths, depths, path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rates), figsize=(1.2 + 0.9 * len(lengths) * len(rates), 0.5 + 0.45 * len(depths)),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(rates), figsize=(2 + 1.1 * len(lengths) * len(rates), 1.4 + 0.45 * len(depths)),
+                             squeeze=False, sharey=True, layout="constrained")
     for ax, (mode, cells) in zip(axes[0], rates.items()):
         grid = [[100 * cells[(length, float(depth))] for length in lengths] for depth in depths]
         image = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
@@ -54,7 +54,7 @@ def plot_passkey(rates: dict, lengths, depths, path) -> Path:
         ax.set_xlabel("prompt tokens")
         ax.set_title(mode)
     axes[0][0].set_ylabel("depth of the key")
-    fig.colorbar(image, ax=axes[0].tolist(), label="found (%)", shrink=0.8)
+    fig.colorbar(image, ax=axes[0].tolist(), label="found (%)")
     path = Path(path)
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
     plt.close(fig)
