@@ -98,6 +98,9 @@ def _adapter_args(parser: argparse.ArgumentParser) -> None:
                             "one; dense without one)")
     group.add_argument("--top-k", type=int, default=None,
                        help="Focus: groups per token at inference, overriding the adapter's (an adapter with Focus)")
+    group.add_argument("--sink-tokens", type=int, default=None,
+                       help="Focus: the first tokens of a sequence that every group holds at inference, overriding "
+                            "the adapter's (an adapter with Focus; a prompt's opening instruction stays in sight)")
     group.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
                        help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter "
                             "trained with triton, scored on a CPU with reference)")
@@ -252,9 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     passkey = ev.add_parser(
         "passkey", help="pass-key retrieval: whether a number hidden in long filler text is found (all causal)",
         description="Hides a five-digit pass key at each --depths fraction of a filler text of each --lengths "
-                    "tokens (--trials keys each), asks for it at the end, and counts a key found when greedy "
-                    "decoding would write it (every one of its tokens the most likely after the prompt and the "
-                    "key's tokens before it; one forward per prompt). The modes are eval ppl's. Prints the rate "
+                    "tokens (--trials keys each), asks for it at the end, and counts a key found when the first "
+                    "number in the reply (--new-tokens of greedy decoding through the KV cache) is the key, as "
+                    "landmark attention's test does; the JSON also says whether the reply begins with the key and "
+                    "gives the key's log-probability (teacher-forced). The modes are eval ppl's. Prints the rate "
                     "found per mode and length; --json writes every prompt's result, --plot a heatmap of depth "
                     "against length per mode.")
     _model_args(passkey, context=False)
@@ -266,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "(0,0.25,0.5,0.75,1)")
     passkey.add_argument("--trials", type=int, default=4, help="keys per length and depth (4)")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the keys (0)")
+    passkey.add_argument("--new-tokens", type=int, default=10,
+                         help="tokens of the reply, at least the key's (10, as landmark attention's test)")
     passkey.add_argument("--json", type=Path, default=None, help="where to write the JSON record")
     passkey.add_argument("--plot", type=Path, default=None, help="where to write the heatmap (PNG)")
 
@@ -653,8 +659,9 @@ def _eval_in_modes(model, args, modes: list[str], saved: dict | None, weights: s
     focus_config = sfa_config = None
     if saved is not None:
         _load_saved_adapter(model, args, saved, weights)
-        if args.top_k is not None:
-            reconfigure(model, top_k=args.top_k)
+        overrides = {name: getattr(args, name) for name in ("top_k", "sink_tokens") if getattr(args, name) is not None}
+        if overrides:
+            reconfigure(model, **overrides)
         focus_config = None if model.sieve_config is None else model.sieve_config.to_dict()
         sfa_config = None if model.sieve_sfa_config is None else model.sieve_sfa_config.to_dict()
         rows += score(model, [m for m in modes if m != "dense"])
@@ -693,7 +700,7 @@ def _comma_list(option: str, text: str, kind, expected: str) -> list:
 
 def cmd_eval_passkey(args) -> int:
     from ._provenance import environment
-    from .eval.passkey import passkey_prompts, passkey_retrieval, retrieval_rates
+    from .eval.passkey import check_new_tokens, passkey_prompts, passkey_retrieval, retrieval_rates
     from .eval.plots import plot_passkey
     from .eval.report import each_mode, write_json
 
@@ -703,18 +710,20 @@ def cmd_eval_passkey(args) -> int:
         raise SystemExit(f"--lengths: expected lengths of at least 1 token, got {args.lengths!r}")
     if not all(0 <= depth <= 1 for depth in depths):
         raise SystemExit(f"--depths: expected fractions in [0, 1], got {args.depths!r}")
-    if args.trials < 1:
-        raise SystemExit(f"--trials: expected at least 1, got {args.trials}")
+    for option, value in (("--trials", args.trials), ("--new-tokens", args.new_tokens)):
+        if value < 1:
+            raise SystemExit(f"{option}: expected at least 1, got {value}")
     if args.plot is not None:
         _check_output_file("--plot", args.plot)
     model, tokenizer, modes, saved, weights = _eval_setup(args)
-    with _errors_named_by_flag():  # a length too short for the intro, needle and question
+    with _errors_named_by_flag():  # a length too short for the intro, needle and question; a reply too short
         prompts = passkey_prompts(tokenizer, lengths, depths, args.trials, seed=args.seed)
-    _check_context(model, max(lengths) + max(len(prompt.answer) for prompt in prompts), "--lengths (with the key)")
+        check_new_tokens(args.new_tokens, prompts)
+    _check_context(model, max(lengths) + args.new_tokens, "--lengths (with the reply)")
 
     def score(model, modes):
         return [{"mode": mode, **row} for mode in each_mode(model, modes)
-                for row in passkey_retrieval(model, prompts, desc=mode)]
+                for row in passkey_retrieval(model, tokenizer, prompts, new_tokens=args.new_tokens, desc=mode)]
 
     rows, described = _eval_in_modes(model, args, modes, saved, weights, score)
     rates = {mode: retrieval_rates([row for row in rows if row["mode"] == mode]) for mode in modes}
@@ -725,7 +734,7 @@ def cmd_eval_passkey(args) -> int:
                  for length in lengths]
         print(f"| {mode} | " + " | ".join(f"{100 * sum(cell) / len(cell):.0f}%" for cell in found) + " |")
     record = {**described, "lengths": lengths, "depths": depths, "trials": args.trials, "seed": args.seed,
-              "rows": rows, "environment": environment(args.device)}
+              "new_tokens": args.new_tokens, "rows": rows, "environment": environment(args.device)}
     if args.json:
         print(f"wrote {write_json(record, args.json)}")
     if args.plot:
@@ -831,8 +840,12 @@ def _eval_modes(args, saved: dict | None) -> list[str]:
     if set(modes) - set(allowed):
         raise SystemExit(f"--modes: expected modes of {', '.join(allowed)} for an adapter of method {method!r}, "
                          f"got {','.join(modes)}")
-    if args.top_k is not None and "focus" not in (method or ""):
-        raise SystemExit(f"--top-k: Focus groups per token, for an adapter with Focus; got one of method {method!r}")
+    for option, value, what in (("--top-k", args.top_k, "groups per token"),
+                                ("--sink-tokens", args.sink_tokens, "tokens every group holds")):
+        if value is not None and "focus" not in (method or ""):
+            raise SystemExit(f"{option}: Focus {what}, for an adapter with Focus; got one of method {method!r}")
+    if args.sink_tokens is not None and args.sink_tokens < 0:
+        raise SystemExit(f"--sink-tokens: expected at least 0, got {args.sink_tokens}")
     groups = None if saved is None or not saved.get("focus") else saved["focus"].get("num_groups")
     if args.top_k is not None and groups is not None and not 1 <= args.top_k <= groups:
         raise SystemExit(f"--top-k: expected an int in [1, {groups}] (the adapter's groups), got {args.top_k}")

@@ -40,6 +40,9 @@ def test_focus_modes_need_an_adapter():
     ("focus", ["--sfa-backend", "reference"], "--sfa-backend: for an adapter with SFA; got one of method 'focus'"),
     ("focus", ["--modes", "sfa"], "--modes: expected modes of dense, soft, hard for an adapter of method 'focus'"),
     ("focus", ["--top-k", "5"], r"--top-k: expected an int in \[1, 4\] \(the adapter's groups\), got 5"),
+    ("sfa", ["--sink-tokens", "4"], "--sink-tokens: Focus tokens every group holds, for an adapter with Focus; got "
+                                    "one of method 'sfa'"),
+    ("focus", ["--sink-tokens", "-1"], "--sink-tokens: expected at least 0, got -1"),
     ("nothing", [], "--adapter: expected an adapter of method focus, sfa or focus\\+sfa, got 'nothing'")])
 def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(tmp_path, method, argv, message):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"format": 1, "method": method,

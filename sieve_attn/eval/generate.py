@@ -41,6 +41,16 @@ def greedy_recompute(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     return ids
 
 
+def greedy_continuation(model, ids: torch.Tensor, max_new_tokens: int, cache=None) -> torch.Tensor:
+    """ids [1, T] followed by up to ``max_new_tokens`` greedy tokens, [1, T + new], from transformers' ``generate``
+    through ``cache`` (default: a fresh :func:`new_cache`); fewer where an end-of-sequence token ends it, as
+    transformers does."""
+    cache = new_cache(model) if cache is None else cache
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, **{cache_keyword(model): cache})
+
+
 def cache_bytes(cache) -> tuple[int, int]:
     """(bytes allocated, bytes of the tokens held) of a KV cache: an SFACache's compressed stores (which allocate
     capacity ahead: :class:`sieve_attn.SFAKeyCache`), or the tensors of a DynamicCache's layers (both the same)."""
@@ -68,9 +78,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, check: bool 
         fail("prompt", "text of at least one token", repr(prompt))
     cache = new_cache(model)
     started = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, **{cache_keyword(model): cache})
+    out = greedy_continuation(model, ids, max_new_tokens, cache)
     seconds = time.perf_counter() - started
     new = out.shape[1] - ids.shape[1]
     # The cache holds every token but the last generated one (generate never feeds it back).

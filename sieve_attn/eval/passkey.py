@@ -4,6 +4,7 @@ sparse pattern may drop)."""
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -11,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._checks import check_int, check_real, fail
+from .generate import greedy_continuation
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about it.\n")
@@ -67,22 +69,44 @@ def passkey_prompts(tokenizer, lengths: Sequence[int], depths: Sequence[float], 
     return prompts
 
 
+def check_new_tokens(new_tokens, prompts: Sequence[PasskeyPrompt]) -> int:
+    """``new_tokens`` as an int, where a reply of that many tokens can hold every prompt's answer; else
+    ValueError naming ``new_tokens``."""
+    longest = max((len(prompt.answer) for prompt in prompts), default=1)
+    return check_int("new_tokens", new_tokens, longest)
+
+
+# The first number of the reply, as landmark attention's pass-key test reads it (and the sparse-attention papers that
+# reuse that test): a reply "the 12345." finds 12345.
+_NUMBER = re.compile(r"\d+")
+
+
 @torch.no_grad()
-def passkey_retrieval(model, prompts: Sequence[PasskeyPrompt], *, desc: str = "passkey",
-                      progress: bool = True) -> list[dict]:
-    """Scores each prompt by one causal forward of its ids and answer (teacher forcing). Returns per prompt
-    {"length", "depth", "key", "found", "answer_logprob"}: ``found`` is whether every answer token is the argmax of
-    the logits before it, which is exactly when greedy decoding from the prompt writes the key; ``answer_logprob``
-    the sum of the answer tokens' log-probabilities (natural log)."""
+def passkey_retrieval(model, tokenizer, prompts: Sequence[PasskeyPrompt], *, new_tokens: int = 10,
+                      desc: str = "passkey", progress: bool = True) -> list[dict]:
+    """Scores each prompt by greedy decoding of ``new_tokens`` tokens through the model's KV cache
+    (:func:`~sieve_attn.eval.generate.greedy_continuation`: transformers' ``generate``) and by one causal forward
+    of its ids and answer (teacher forcing). Returns per prompt {"length", "depth", "key", "found", "immediate",
+    "reply", "answer_logprob"}: ``reply`` the decoded continuation (shorter where the model ends its text);
+    ``found`` whether the first number in the reply is the key; ``immediate`` whether the reply begins with the
+    answer's tokens (the key written at once, with nothing before it: the stricter criterion); ``answer_logprob``
+    the sum of the answer tokens' log-probabilities (natural log), each given the prompt and the answer tokens
+    before it. Raises ValueError where ``new_tokens`` is fewer than an answer's tokens."""
+    new_tokens = check_new_tokens(new_tokens, prompts)
     device = next(model.parameters()).device
     rows = []
     for prompt in tqdm(prompts, desc=desc, disable=not progress, leave=False):
-        ids = torch.tensor([prompt.ids + prompt.answer], device=device)
-        logits = model(ids, use_cache=False).logits[0, len(prompt.ids) - 1:-1].float()
+        ids = torch.tensor([prompt.ids], device=device)
+        reply = greedy_continuation(model, ids, new_tokens)[0, len(prompt.ids):].tolist()
+        text = tokenizer.decode(reply, skip_special_tokens=True)
+        number = _NUMBER.search(text)
         answer = torch.tensor(prompt.answer, device=device)
-        logprob = torch.log_softmax(logits, -1).gather(-1, answer[:, None]).sum()
+        logits = model(torch.cat([ids[0], answer])[None], use_cache=False).logits[0, len(prompt.ids) - 1:-1]
+        logprob = torch.log_softmax(logits.float(), -1).gather(-1, answer[:, None]).sum()
         rows.append({"length": prompt.length, "depth": prompt.depth, "key": prompt.key,
-                     "found": bool((logits.argmax(-1) == answer).all()), "answer_logprob": float(logprob)})
+                     "found": number is not None and number.group() == str(prompt.key),
+                     "immediate": tuple(reply[:len(prompt.answer)]) == prompt.answer, "reply": text,
+                     "answer_logprob": float(logprob)})
     return rows
 
 
