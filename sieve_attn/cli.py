@@ -652,7 +652,8 @@ def _eval_setup(args):
 
 def _eval_in_modes(model, args, modes: list[str], saved: dict | None, weights: str | None, score) -> tuple[list, dict]:
     """Scores dense on the model as loaded, then loads the adapter (with --top-k, --sink-tokens) and scores its
-    modes, each through ``score(model, modes) -> rows``; returns (rows, the record's model fields: adapter, configs, weights)."""
+    modes, each through ``score(model, modes) -> rows``; returns (rows, the record's model fields: adapter,
+    configs, weights)."""
     from .integrations.transformers import reconfigure
 
     rows = score(model, [m for m in modes if m == "dense"])
