@@ -85,17 +85,24 @@ def _eval_args(parser: argparse.ArgumentParser, windows: int) -> None:
     group.add_argument("--eval-windows", type=int, default=windows, help=f"held-out windows to score ({windows})")
 
 
-def _adapter_args(parser: argparse.ArgumentParser) -> None:
+def _adapter_args(parser: argparse.ArgumentParser, one_mode: bool = False) -> None:
+    """The adapter options of `sieve eval` and (``one_mode``: --mode, not --modes) of `sieve generate`."""
     group = parser.add_argument_group("adapter")
     group.add_argument("--adapter", type=Path, default=None,
-                       help="adapter folder from `sieve retrofit` (for soft/hard) or `sieve finetune --method sfa` "
-                            "(for sfa)")
+                       help="adapter folder from `sieve retrofit` (Focus) or `sieve finetune --method sfa` (SFA)")
     group.add_argument("--weights", type=Path, default=None,
-                       help="model.safetensors from `sieve finetune`: the fine-tuned weights, loaded before scoring")
-    group.add_argument("--modes", default=None,
-                       help="comma list of dense, soft, hard, sfa (default: what the adapter allows: dense,soft,hard "
-                            "for a Focus adapter; dense,sfa for an SFA one; dense,sfa,soft,hard for a Focus+SFA "
-                            "one; dense without one)")
+                       help="model.safetensors from `sieve finetune`: the fine-tuned weights, loaded first (an SFA "
+                            "adapter needs the weights it was trained with)")
+    if one_mode:
+        group.add_argument("--mode", choices=("hard", "soft", "dense"), default=None,
+                           help="Focus: how the routers route while generating, whatever mode the adapter was "
+                                "saved in (hard: each token's top-k groups; soft: weighted memberships; dense: "
+                                "routers off) (hard)")
+    else:
+        group.add_argument("--modes", default=None,
+                           help="comma list of dense, soft, hard, sfa (default: what the adapter allows: "
+                                "dense,soft,hard for a Focus adapter; dense,sfa for an SFA one; dense,sfa,soft,hard "
+                                "for a Focus+SFA one; dense without one)")
     group.add_argument("--top-k", type=int, default=None,
                        help="Focus: groups per token at inference, overriding the adapter's (an adapter with Focus)")
     group.add_argument("--sink-tokens", type=int, default=None,
@@ -103,7 +110,7 @@ def _adapter_args(parser: argparse.ArgumentParser) -> None:
                             "the adapter's (an adapter with Focus; a prompt's opening instruction stays in sight)")
     group.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
                        help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter "
-                            "trained with triton, scored on a CPU with reference)")
+                            "trained with triton, run on a CPU with reference)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,22 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "second and the bytes of the tokens the cache holds (and allocated) beside a dense K+V cache "
                     "of them. --check also recomputes every token from a full forward of the whole sequence (no "
                     "cache) and exits 1 unless the tokens are the same.")
-    gen_model = gen.add_argument_group("model")
-    gen_model.add_argument("--model", default="smollm2-135m", help=_MODEL_HELP)
-    gen_model.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    gen_model.add_argument("--device", default="cpu", help="cpu or cuda")
-    gen_model.add_argument("--adapter", type=Path, default=None,
-                           help="adapter folder from `sieve retrofit` or `sieve finetune --method sfa`")
-    gen_model.add_argument("--weights", type=Path, default=None,
-                           help="model.safetensors from `sieve finetune` (an SFA adapter needs the weights it was "
-                                "trained with)")
-    gen_model.add_argument("--sfa-backend", choices=SFA_BACKENDS, default=None,
-                           help="SFA: which kernels compute the scores, overriding the adapter's (e.g. an adapter "
-                                "trained with triton, run on a CPU with reference)")
-    gen_model.add_argument("--mode", choices=("hard", "soft", "dense"), default=None,
-                           help="Focus: how the routers route while generating, whatever mode the adapter was "
-                                "saved in (hard: each token's top-k groups; soft: weighted memberships; dense: "
-                                "routers off) (hard)")
+    _model_args(gen, context=False)
+    _adapter_args(gen, one_mode=True)
     gen.add_argument("--prompt", default="def fibonacci(n):", help="text to continue ('def fibonacci(n):')")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (64)")
     gen.add_argument("--check", action="store_true",
@@ -641,6 +634,7 @@ def _eval_setup(args):
     with _errors_of("--adapter"):
         saved = None if args.adapter is None else read_adapter_config(args.adapter)
     modes = _eval_modes(args, saved)
+    _check_focus_overrides(args, saved)
     _check_sfa_backend_option(args, saved)
     model, tokenizer, weights = _setup_with_weights(args, saved)
     if saved is not None:
@@ -654,15 +648,10 @@ def _eval_in_modes(model, args, modes: list[str], saved: dict | None, weights: s
     """Scores dense on the model as loaded, then loads the adapter (with --top-k, --sink-tokens) and scores its
     modes, each through ``score(model, modes) -> rows``; returns (rows, the record's model fields: adapter,
     configs, weights)."""
-    from .integrations.transformers import reconfigure
-
     rows = score(model, [m for m in modes if m == "dense"])
     focus_config = sfa_config = None
     if saved is not None:
         _load_saved_adapter(model, args, saved, weights)
-        overrides = {name: getattr(args, name) for name in ("top_k", "sink_tokens") if getattr(args, name) is not None}
-        if overrides:
-            reconfigure(model, **overrides)
         focus_config = None if model.sieve_config is None else model.sieve_config.to_dict()
         sfa_config = None if model.sieve_sfa_config is None else model.sieve_sfa_config.to_dict()
         rows += score(model, [m for m in modes if m != "dense"])
@@ -792,6 +781,7 @@ def cmd_generate(args) -> int:
     if args.mode is not None and not focus:
         got = "none" if saved is None else f"one of method {saved.get('method')!r}"
         raise SystemExit(f"--mode: for an adapter with Focus; got {got}")
+    _check_focus_overrides(args, saved)
     _check_sfa_backend_option(args, saved)
     model, tokenizer, weights = _setup_with_weights(args, saved)
     if saved is not None:
@@ -823,8 +813,8 @@ def cmd_generate(args) -> int:
 
 
 def _eval_modes(args, saved: dict | None) -> list[str]:
-    """The modes `sieve eval ppl` scores (--modes, or every one the adapter allows); exits on --modes or --top-k
-    that the adapter (its config ``saved``, None without one) cannot take."""
+    """The modes `sieve eval` scores (--modes, or every one the adapter allows); exits on --modes that the adapter
+    (its config ``saved``, None without one) cannot take."""
     from .eval.report import ALL_MODES
 
     method = None if saved is None else saved.get("method")
@@ -841,6 +831,13 @@ def _eval_modes(args, saved: dict | None) -> list[str]:
     if set(modes) - set(allowed):
         raise SystemExit(f"--modes: expected modes of {', '.join(allowed)} for an adapter of method {method!r}, "
                          f"got {','.join(modes)}")
+    return modes
+
+
+def _check_focus_overrides(args, saved: dict | None) -> None:
+    """Exits on a --top-k or --sink-tokens that the adapter (its config ``saved``, None without one) cannot take,
+    before the model loads."""
+    method = None if saved is None else saved.get("method")
     for option, value, what in (("--top-k", args.top_k, "groups per token"),
                                 ("--sink-tokens", args.sink_tokens, "tokens every group holds")):
         if value is not None and "focus" not in (method or ""):
@@ -850,7 +847,6 @@ def _eval_modes(args, saved: dict | None) -> list[str]:
     groups = None if saved is None or not saved.get("focus") else saved["focus"].get("num_groups")
     if args.top_k is not None and groups is not None and not 1 <= args.top_k <= groups:
         raise SystemExit(f"--top-k: expected an int in [1, {groups}] (the adapter's groups), got {args.top_k}")
-    return modes
 
 
 def _check_sfa_backend_option(args, saved: dict | None) -> None:
@@ -879,17 +875,20 @@ def _check_sfa_backend_fits(model, args, saved: dict) -> None:
 
 
 def _load_saved_adapter(model, args, saved: dict, weights: str | None) -> None:
-    """Loads --adapter (its config ``saved``) into ``model``, with SFA's backend replaced by --sfa-backend when
-    given: the model is composed with the adapter's configs first, and a composed model keeps its backend when
-    the adapter loads."""
+    """Loads --adapter (its config ``saved``) into ``model``, with SFA's backend replaced by --sfa-backend and
+    Focus's top-k and sink tokens by --top-k and --sink-tokens when given: the model is composed with the adapter's
+    configs first, and a composed model keeps its backend when the adapter loads."""
     from .config import FocusConfig, SFAConfig
-    from .integrations.transformers import compose, load_adapter
+    from .integrations.transformers import compose, load_adapter, reconfigure
 
     if args.sfa_backend is not None:
         focus = None if saved["focus"] is None else FocusConfig.from_dict(saved["focus"])
         compose(model, *(c for c in (focus, SFAConfig.from_dict({**saved["sfa"], "backend": args.sfa_backend}))
                          if c is not None))
     load_adapter(model, args.adapter, weights_digest=weights)
+    overrides = {name: getattr(args, name) for name in ("top_k", "sink_tokens") if getattr(args, name) is not None}
+    if overrides:
+        reconfigure(model, **overrides)
 
 
 def cmd_demo(args) -> int:

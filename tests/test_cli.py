@@ -72,6 +72,8 @@ def test_generate_refuses_an_sfa_backend_for_an_adapter_without_sfa_before_loadi
     (["eval", "ppl", "--eval-text", ""], "--eval-text: expected a file or folder, got ''"),
     (["generate", "--threads", "0"], "--threads: expected at least 1, got 0"),
     (["generate", "--mode", "soft"], "--mode: for an adapter with Focus; got none"),
+    (["generate", "--sink-tokens", "4"], "--sink-tokens: Focus tokens every group holds, for an adapter with Focus; "
+                                         "got one of method None"),
     (["generate", "--adapter", "/no/such/adapter"], "--adapter: directory: expected an adapter folder"),
     (["generate", "--model", "../no/such/model"], "--model: expected 'smollm2-135m'"),
 ])

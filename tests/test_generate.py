@@ -84,3 +84,7 @@ def test_a_focus_adapter_generates_in_hard_mode_whatever_mode_it_was_saved_in(tm
         assert main([*common, *(["--mode", mode] if mode != "hard" else []), "--json", str(tmp_path / "g.json")]) == 0
         assert f"Focus mode {mode}; DynamicCache" in capsys.readouterr().out
         assert json.loads((tmp_path / "g.json").read_text())["focus_config"]["mode"] == mode
+    # eval's --top-k and --sink-tokens override the adapter's here too (the pass-key misses' remedy, for a prompt)
+    assert main([*common, "--top-k", "2", "--sink-tokens", "3", "--json", str(tmp_path / "g.json")]) == 0
+    config = json.loads((tmp_path / "g.json").read_text())["focus_config"]
+    assert (config["mode"], config["top_k"], config["sink_tokens"]) == ("hard", 2, 3)
