@@ -338,7 +338,7 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
     block_n = decode_module._BLOCK_N
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
                         programs_per_sm=decode_module._programs_per_sm(head_dim),
-                        pooled=decode_module._POOLED if several_tiles else 0.0)
+                        pooled=decode_module._pool_fraction(topk) if several_tiles else 0.0)
     if several_tiles:
         assert work.chunks >= 2 and work.chunk_keys >= 2 * block_n and k_len % block_n != 0
         assert len(units_of_pool(k_len - work.chunks * work.chunk_keys)) > 1
@@ -387,7 +387,8 @@ def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_fir
     batch, q_heads, kv_heads, q_len, head_dim, topk = 2, 16, 2, 2, 64, 8
     block_n = decode_module._BLOCK_N
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
-                        programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
+                        programs_per_sm=decode_module._programs_per_sm(head_dim),
+                        pooled=decode_module._pool_fraction(topk))
     pool = k_len - work.chunks * work.chunk_keys
     assert (work.row_blocks, work.chunks, units_of_pool(pool)) == (2, chunks, units)
     assert pool % block_n != 0  # the last unit cut mid-tile
@@ -470,7 +471,8 @@ def test_units_other_programs_took_are_not_taken_again(monkeypatch, taken):
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 1, 1700, 64, 8
     block_n = decode_module._BLOCK_N
     work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
-                        programs_per_sm=decode_module._programs_per_sm(head_dim), pooled=decode_module._POOLED)
+                        programs_per_sm=decode_module._programs_per_sm(head_dim),
+                        pooled=decode_module._pool_fraction(topk))
     pool_start = work.chunks * work.chunk_keys
     units = units_of_pool(k_len - pool_start)
     assert (work.chunks, units) == (5, [4, 2, 1, 1, 1])

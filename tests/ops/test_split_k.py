@@ -14,7 +14,9 @@ KERNELS = {
                   max_chunk_tiles=focus_decode._MAX_CHUNK_TILES),
     "sfa": dict(block_n=sfa_decode._BLOCK_N, programs_per_sm=sfa_decode._programs_per_sm(128)),
     "sfa-pooled": dict(block_n=sfa_decode._BLOCK_N, programs_per_sm=sfa_decode._programs_per_sm(128),
-                       pooled=sfa_decode._POOLED),
+                       pooled=sfa_decode._pool_fraction(8)),
+    "sfa-pooled-topk16": dict(block_n=sfa_decode._BLOCK_N, programs_per_sm=sfa_decode._programs_per_sm(128),
+                              pooled=sfa_decode._pool_fraction(16)),
 }
 
 

@@ -90,7 +90,11 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # 62.6 / 104.8 us) it is faster or even from 8-tile chunks on: 32K (8 tiles) topk = 8 43.5 -> 42.3 us, topk = 16
 # 45.9 -> 46.0; 64K (16) 69.2 -> 65.8 and 72.8 -> 70.6; below, slower: 16K (4 tiles) 27.5 -> 27.8 and 29.1 ->
 # 30.8, 8K (2) 19.6 -> 20.8 and 20.3 -> 23.8 (benchmarks/results/session36).
-_POOLED, _UNIT_TILES, _POOL_FROM_TILES = 0.1, 4, 8
+# Session 47 (H200, 128K, D = 128, gated, 5 interleaved rounds, three calls): a smaller pool suits topk = 16,
+# not topk = 8: _POOLED 0.05 (29 tiles per chunk kept, a 6.5% pool) topk = 16 0.0909-0.0910 ms against 0.0918-0.0919
+# at 0.1, 0.03 0.0916, 0.07 0.0914, 0 (no pool) 0.0945; topk = 8 0.0865 against 0.0839 at 0.1, 0.07 0.0839
+# (benchmarks/results/session47). Session 36's H100 leaned the same way (above). So topk >= 16 pools _POOLED_TOPK16.
+_POOLED, _POOLED_TOPK16, _UNIT_TILES, _POOL_FROM_TILES = 0.1, 0.05, 4, 8
 # Tiles of its chunk each program has L2 prefetch while it waits for the query table (DRAM is idle then). v11
 # call C (128K, D = 128, gated, 5 interleaved rounds): 0 / 1 / 2 / 4 / 8 tiles, topk = 16 0.0940 / 0.0925 / 0.0924
 # / 0.0934 / 0.0970 ms, topk = 8 0.0869 / 0.0851 / 0.0851 / 0.0853 / 0.0899; 64K topk = 16 0.0595 / 0.0580 /
@@ -458,7 +462,7 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
                         programs_per_sm=_programs_per_sm(head_dim))
     if work.chunk_keys >= _POOL_FROM_TILES * _BLOCK_N:
         work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
-                            programs_per_sm=_programs_per_sm(head_dim), pooled=_POOLED)
+                            programs_per_sm=_programs_per_sm(head_dim), pooled=_pool_fraction(cache.topk))
     packed, values = cache.packed_keys()
     _index_layout(packed)
     words = _value_words(values)
@@ -535,6 +539,12 @@ def _programs_per_sm(head_dim: int) -> int:
     0.073; 8 and 12 per SM 0.061 + 0.084, 0.062 + 0.085). Run-to-run spread of one plan in one session is up to 9%
     (the same 5-stage plan re-timed: 0.102 + 0.107 at D = 128). Head dims 16, 32 and 256 are not measured."""
     return 8 if head_dim >= 128 else 10
+
+
+def _pool_fraction(topk: int) -> float:
+    """At least this share of a long cache's tiles is the pool (:func:`..split_k.plan`'s ``pooled``) for codes of
+    ``topk`` entries: _POOLED_TOPK16 from topk = 16 on, else _POOLED."""
+    return _POOLED_TOPK16 if topk >= 16 else _POOLED
 
 
 def _pipeline_stages(topk: int, block_m: int, head_dim: int, itemsize: int) -> int:
