@@ -8,19 +8,19 @@ keys the cache was built from. Two backends compute it:
 - ``reference``: plain PyTorch. Unpacks and densifies the cached keys one block at a time (never the whole cache)
   and runs an online softmax over the blocks.
 - ``triton``: flash-decoding split-K (:mod:`sieve_attn.ops.split_k`), bound by the bytes of the cache. One launch
-  sparsifies the queries into a table (:func:`sparse_query_table`) that puts the G * Tq query rows of a KV head
-  (G = Hq / Hkv) side by side under each coordinate; then one program per (batch, KV head, chunk of keys) takes all
-  of them, so every code and every V row is read from memory once; on long caches the keys past the chunks (at
-  least a tenth) are a pool that the programs take over as they finish their chunks, in units that shrink to
-  single tiles as it drains (:func:`_sfa_decode_chunk`, :mod:`.pool`). The score tile is [keys, rows], one
-  key per thread: the thread reads its key's packed indices as the 4-byte words that hold them (:func:`_index_word`)
-  and its values as 8-byte words, and per code t < topk one vector load fetches the rows' table entries at index t
-  (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1): score = scale * sum_t q~[idx_t] * val_t, the dot of
-  the sparse query with the densified key, which is never built. The tile stays keys-major through the online
-  softmax (base 2, denominators in per-slot partial sums) and P @ V, issued as V^T @ P^T on tensor cores
-  (:func:`..triton_common.softmax_step`); the V tile comes through the TMA copy engine where the GPU has one. The
-  chunks' partials merge by log-sum-exp (:func:`..split_k.merge`); on GPUs with programmatic dependent launch the
-  decode and merge kernels are scheduled while the kernel before them drains.
+  sparsifies the queries into a table (:func:`sparse_query_table`) that puts the G * Tq query rows of a KV head (G =
+  Hq / Hkv) side by side under each coordinate; then one program per (batch, KV head, chunk of keys) takes all of
+  them, so every code and every V row is read from memory once; on long caches the keys past the chunks (at least a
+  tenth; a twentieth from topk = 16) are a pool that the programs take over as they finish their chunks, in units
+  that shrink to single tiles as it drains (:func:`_sfa_decode_chunk`, :mod:`.pool`). The score tile is [keys,
+  rows], one key per thread: the thread reads its key's packed indices as the 4-byte words that hold them
+  (:func:`_index_word`) and its values as 8-byte words, and per code t < topk one vector load fetches the rows'
+  table entries at index t (8 bytes at 4 bfloat16 rows; the table, 1 KiB, stays in L1): score = scale * sum_t
+  q~[idx_t] * val_t, the dot of the sparse query with the densified key, which is never built. The tile stays
+  keys-major through the online softmax (base 2, denominators in per-slot partial sums) and P @ V, issued as V^T @
+  P^T on tensor cores (:func:`..triton_common.softmax_step`); the V tile comes through the TMA copy engine where the
+  GPU has one. The chunks' partials merge by log-sum-exp (:func:`..split_k.merge`); on GPUs with programmatic
+  dependent launch the decode and merge kernels are scheduled while the kernel before them drains.
 
 Count per cached token and KV head (D = 128, topk = 16, bfloat16, G = 4, b = :func:`.cache.index_bits` (D) = 7):
 
@@ -43,7 +43,8 @@ merge add about 3 and 4 us, and the per-program timers show SMs finishing the sa
 narrows. Session 36 (H100, benchmarks/results/session36): pool units that shrink to single tiles took the step at
 128K from 0.1217-0.1224 to 0.1202-0.1208 ms at topk = 16 and from 0.1133-0.1140 to 0.1109-0.1123 at topk = 8 (dense
 0.188); gated bench 1.56x and 1.68x. On the H200 (session 42, benchmarks/results/session42) the gated bench
-read 0.0920 ms at topk = 16, 1.46x dense's 0.1346, and 0.0837 ms, 1.61x, at topk = 8.
+read 0.0920 ms at topk = 16, 1.46x dense's 0.1346, and 0.0837 ms, 1.61x, at topk = 8. Session 47 (H200, gated
+probe): with a 5% pool at topk = 16 (:func:`_pool_fraction`) 0.0910 ms against 0.1360, 1.495x (10%: 0.0918).
 """
 from __future__ import annotations
 
