@@ -115,29 +115,38 @@ def store_rows(O, LSE, out, lse, r, row_ok, d, group, q_len, num_chunks, HEAD_DI
 
 
 @jit
-def _merge_kernel(O_PART, LSE_PART, O, LSE, num_chunks, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
-                  MERGE_CHUNKS: tl.constexpr, MERGE_D: tl.constexpr):
+def _merge_kernel(O_PART, LSE_PART, O, LSE, num_chunks, HEAD_DIM: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+                  MERGE_D: tl.constexpr):
     """Grid (rows, HEAD_DIM / MERGE_D). Merges coordinates [j * MERGE_D, (j + 1) * MERGE_D) of one row's chunks,
     j = program_id(1): O_PART [rows, chunks, D] and LSE_PART [rows, chunks] float32 into O [rows, D] and LSE [rows]
     float32 (written by the j = 0 program); a row whose chunks are all empty gets 0 and -inf. Launched as a
-    programmatic dependent of the kernel that wrote the partials, where the GPU can."""
+    programmatic dependent of the kernel that wrote the partials, where the GPU can.
+
+    One pass, MERGE_CHUNKS chunks per step, the running maximum rescaling what came before (an online
+    log-sum-exp): each step loads its log-sum-exps and outputs together, so a step's partials cost one memory round
+    trip, where a first pass for the maximum cost a second one on the step's critical path."""
     wait_for_prior_kernel()
     row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_C)
-    lse_c = tl.load(LSE_PART + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
-    m = tl.max(lse_c, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_c - m_safe), axis=0)  # >= 1 unless every chunk is empty (then 0)
     d = tl.program_id(1) * MERGE_D + tl.arange(0, MERGE_D)
     acc = tl.zeros([MERGE_D], tl.float32)
+    total = tl.sum(tl.zeros([MERGE_CHUNKS], tl.float32), axis=0)  # of exp(lse - m_ref): >= 1 unless all are empty
+    m_ref = total  # the reference maximum (0 while every chunk so far is empty)
     for c0 in range(0, num_chunks, MERGE_CHUNKS):
-        cc = c0 + tl.arange(0, MERGE_CHUNKS)
-        ok = cc < num_chunks
-        w = tl.exp(tl.load(LSE_PART + row * num_chunks + cc, mask=ok, other=float("-inf")) - m_safe)
-        o = tl.load(O_PART + (row * num_chunks + cc[:, None]) * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
+        c = c0 + tl.arange(0, MERGE_CHUNKS)
+        ok = c < num_chunks
+        lse_c = tl.load(LSE_PART + row * num_chunks + c, mask=ok, other=float("-inf"))
+        o = tl.load(O_PART + (row * num_chunks + c[:, None]) * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        m = tl.max(lse_c, axis=0)
+        # Empty so far (total 0): the new maximum, or 0 if this step is empty too; else the larger maximum.
+        m_new = tl.where(total > 0, tl.maximum(m_ref, m), tl.where(m == float("-inf"), 0.0, m))
+        # <= 1; while every chunk so far is empty, 1 (acc and total are 0), not exp(0 - m_new), which may overflow.
+        rescale = tl.exp(tl.where(total > 0, m_ref, m_new) - m_new)
+        w = tl.exp(lse_c - m_new)
+        total = total * rescale + tl.sum(w, axis=0)
+        acc = acc * rescale + tl.sum(w[:, None] * o, axis=0)
+        m_ref = m_new
     if tl.program_id(1) == 0:
-        tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(tl.maximum(total, 1.0)), float("-inf")))
+        tl.store(LSE + row, tl.where(total > 0, m_ref + tl.log(tl.maximum(total, 1.0)), float("-inf")))
     tl.store(O + row * HEAD_DIM + d, (acc / tl.maximum(total, 1.0)).to(O.dtype.element_ty))
 
 
@@ -152,6 +161,5 @@ def merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse
     chunks, head_dim = part_out.shape[-2], part_out.shape[-1]
     merge_d = min(head_dim, _MERGE_D)
     _merge_kernel[(lse.numel(), head_dim // merge_d)](part_out, part_lse, out, lse, chunks, HEAD_DIM=head_dim,
-                                                      BLOCK_C=triton.next_power_of_2(chunks),
                                                       MERGE_CHUNKS=_MERGE_CHUNKS, MERGE_D=merge_d,
                                                       launch_pdl=hopper_or_newer(lse.device))

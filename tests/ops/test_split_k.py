@@ -1,10 +1,12 @@
-"""split_k.plan: how a decode step's keys are cut into chunks, for both decode kernels' settings, batch 1 to 8."""
+"""split_k.plan: how a decode step's keys are cut into chunks, for both decode kernels' settings, batch 1 to 8; and
+split_k.merge, the merge of the chunks' partials (Triton; the interpreter without CUDA, tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from sieve_attn.ops import split_k
+from sieve_attn.ops.triton_common import kernel_blocker
 from sieve_attn.ops.focus import decode as focus_decode
 from sieve_attn.ops.sfa import decode as sfa_decode
 
@@ -68,3 +70,59 @@ def test_more_kv_heads_than_a_wave_holds_get_one_chunk_each():
 def test_an_empty_step_plans_no_programs(kernel, batch, q_heads):
     work = split_k.plan(batch, q_heads, 8, 1, 131072, torch.device("cpu"), **KERNELS[kernel])
     assert batch * 8 * work.row_blocks == 0 and work.chunks >= 1
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F32 = torch.float32
+MERGE_BLOCKER = kernel_blocker(torch.empty(64, device=DEVICE))
+
+
+def merge_reference(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge in part_out's dtype: out = sum_c softmax(lse)_c * o_c, lse = logsumexp_c lse_c; rows whose chunks
+    are all empty: 0 and -inf."""
+    lse = torch.logsumexp(part_lse, dim=-1)
+    weights = torch.exp(part_lse - torch.where(lse.isinf(), 0, lse)[..., None])
+    return (weights[..., None] * part_out).sum(-2), lse
+
+
+def merge_partials(chunks: int, first_empty: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 partials [1, 6, 1, chunks, 64] and [1, 6, 1, chunks] of six rows: all chunks empty (log-sum-exp -inf,
+    output 0, as the decode kernels leave them); the first ``first_empty`` chunks empty, then spread values; around
+    -300 (exp overflows float32 unless taken relative to the maximum); around +80; one finite chunk, the last;
+    spread values everywhere."""
+    generator = torch.Generator().manual_seed(chunks)
+    lse = torch.randn(6, chunks, generator=generator) * 3
+    lse[0] = float("-inf")
+    lse[1, :first_empty] = float("-inf")
+    lse[2] -= 300
+    lse[3] += 80
+    lse[4, :-1] = float("-inf")
+    out = torch.randn(6, chunks, 64, generator=generator)
+    out[lse.isinf()] = 0
+    return out.view(1, 6, 1, chunks, 64).to(DEVICE), lse.view(1, 6, 1, chunks).to(DEVICE)
+
+
+@pytest.mark.skipif(MERGE_BLOCKER is not None, reason=str(MERGE_BLOCKER))
+@pytest.mark.parametrize("chunks, merge_chunks", [(1, 256), (133, 256), (133, 16), (7, 2)],
+                         ids=["one-chunk", "one-step", "nine-steps", "four-steps"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_matches_float64_with_empty_and_extreme_chunks(chunks, merge_chunks, dtype, monkeypatch):
+    """merge over any number of steps of MERGE_CHUNKS chunks (the first of them empty for one row) equals the float64
+    merge within twice the error of the same float32 formula in PyTorch plus the output's one rounding to its dtype
+    (an ulp); an all-empty row gives 0 and -inf, never NaN; every output element is written (the outputs start
+    NaN-poisoned)."""
+    monkeypatch.setattr(split_k, "_MERGE_CHUNKS", merge_chunks)
+    part_out, part_lse = merge_partials(chunks, first_empty=min(merge_chunks, chunks - 1))
+    out = torch.empty(1, 6, 1, 64, dtype=dtype, device=DEVICE)
+    lse = torch.empty(1, 6, 1, dtype=torch.float32, device=DEVICE)
+    split_k.merge(part_out, part_lse, out, lse)
+    exact_out, exact_lse = merge_reference(part_out.double(), part_lse.double())
+    torch_out, torch_lse = merge_reference(part_out, part_lse)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[0, 0] == 0).all() and lse[0, 0].item() == float("-inf")
+    finite = exact_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    for got, exact, float32, ulp in ((out, exact_out, torch_out, torch.finfo(dtype).eps),
+                                     (lse[finite], exact_lse[finite], torch_lse[finite], torch.finfo(F32).eps)):
+        bound = 2 * (float32.double() - exact).abs().max().item() + ulp * exact.abs() + 1e-6
+        assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max().item()
