@@ -23,11 +23,12 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str | None = "cpu"):
     """(model in eval mode, tokenizer) for ``name``: the default model (``DEFAULT_MODEL``, even where a folder of
     that name is in the working directory: ``./smollm2-135m`` names the folder; a warning says so), a local folder,
-    or a hub id (needs network). ValueError where the tokenizer has more ids than the model has input embeddings
-    (a folder whose tokenizer is another model's): its ids would index past them."""
+    or a hub id (needs network), on ``device`` (None: where ``from_pretrained`` leaves it, which tensors left empty
+    (meta) by FSDP's CPU-RAM-efficient loading need). ValueError where the tokenizer has more ids than the model
+    has input embeddings (a folder whose tokenizer is another model's): its ids would index past them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
@@ -38,7 +39,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
         gguf = smollm2_gguf()
         name, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
+    if device is not None:
+        model = model.to(device)
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
         raise ValueError(f"tokenizer: expected at most the model's {embeddings} token ids, got a tokenizer of "

@@ -115,22 +115,7 @@ def load_for_training(name: str, dtype: torch.dtype = torch.float32, device: str
     accelerator = start(device)
     if fsdp_plugin(accelerator) is None:
         return load_model(name, dtype=dtype, device=str(accelerator.device))
-    return _load_unplaced(name, dtype)
-
-
-def _load_unplaced(name: str, dtype: torch.dtype):
-    """:func:`sieve_attn.models.load_model` without its final ``.to(device)``, which tensors left empty (meta) by
-    CPU-RAM-efficient loading cannot do."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..models import DEFAULT_MODEL, smollm2_gguf
-
-    kwargs = {}
-    if name == DEFAULT_MODEL:
-        gguf = smollm2_gguf()
-        name, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
-    tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).eval(), tokenizer
+    return load_model(name, dtype=dtype, device=None)
 
 
 def local_share(batch_size: int, rank: int, world_size: int) -> slice:

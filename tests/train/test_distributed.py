@@ -339,3 +339,16 @@ def test_all_reduce_buckets_hold_at_most_limit_values_in_order():
     cut = [[t.numel() for t in bucket] for bucket in buckets([torch.zeros(n) for n in sizes], limit=5)]
     assert cut == [[3], [4], [9], [1, 1, 2], [5]]
     assert list(buckets([], limit=5)) == []
+
+
+@pytest.mark.parametrize("mode", ["one-process", "replicated", "fsdp"])
+def test_every_training_load_refuses_a_tokenizer_that_outgrows_the_embeddings(tmp_path, monkeypatch, mode):
+    """load_for_training on one process, on several replicated (its device) and on several under FSDP (left where
+    from_pretrained puts it): each refuses a folder whose tokenizer has more ids than the model's input embeddings
+    (another model's tokenizer), which would end in torch's IndexError at the first forward."""
+    save_with_word_tokenizer(tiny_model("llama", vocab_size=90), tmp_path, " ".join(f"w{i}" for i in range(200)))
+    monkeypatch.setattr(distributed, "launched", lambda: mode != "one-process")
+    monkeypatch.setattr(distributed, "start", lambda device: SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setattr(distributed, "fsdp_plugin", lambda accelerator: object() if mode == "fsdp" else None)
+    with pytest.raises(ValueError, match="tokenizer: expected at most the model's 90 token ids, got a tokenizer of "):
+        distributed.load_for_training(str(tmp_path))
