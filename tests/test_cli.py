@@ -43,6 +43,10 @@ def test_focus_modes_need_an_adapter():
     ("sfa", ["--sink-tokens", "4"], "--sink-tokens: Focus tokens every group holds, for an adapter with Focus; got "
                                     "one of method 'sfa'"),
     ("focus", ["--sink-tokens", "-1"], "--sink-tokens: expected at least 0, got -1"),
+    ("focus", ["--top-k", "0"], r"--top-k: expected an int in \[1, 4\] \(the adapter's groups\), got 0"),
+    # Values at the bounds, and Focus's options for an adapter of both methods, pass to the model's check.
+    ("focus", ["--top-k", "4", "--sink-tokens", "0"], "--model: expected 'smollm2-135m'"),
+    ("focus+sfa", ["--top-k", "1", "--sink-tokens", "3"], "--model: expected 'smollm2-135m'"),
     ("nothing", [], "--adapter: expected an adapter of method focus, sfa or focus\\+sfa, got 'nothing'")])
 def test_eval_refuses_options_the_adapter_cannot_take_before_loading_the_model(tmp_path, method, argv, message):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"format": 1, "method": method,

@@ -281,3 +281,10 @@ def test_focus_retrofitted_onto_an_sfa_model(tmp_path):
     assert records["both"]["sfa"]["ppl"] == pytest.approx(records["sfa"]["sfa"]["ppl"], rel=1e-6)
     assert records["both"]["dense"]["ppl"] == pytest.approx(records["sfa"]["dense"]["ppl"], rel=1e-6)
     assert 0 < records["both"]["hard"]["pairs_attended"] < 1
+    # Focus's options reach the Focus of a Focus+SFA adapter: more groups per token attend more pairs.
+    path = tmp_path / "both_top2.json"
+    assert main(["eval", "ppl", *common, "--eval-windows", "1", "--adapter", str(both / "adapter"), *weights,
+                 "--modes", "hard", "--top-k", "2", "--sink-tokens", "3", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert (record["focus_config"]["top_k"], record["focus_config"]["sink_tokens"]) == (2, 3)
+    assert record["rows"][0]["pairs_attended"] > records["both"]["hard"]["pairs_attended"]

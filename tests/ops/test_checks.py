@@ -80,6 +80,7 @@ BAD_CALLS = {
     "scale zero": (hard(scale=0.0), ("scale",)),
     "scale negative": (hard(scale=-0.5), ("scale",)),
     "scale nan": (hard(scale=float("nan")), ("scale",)),
+    "scale a bool": (hard(scale=True), ("scale",)),
     "softcap zero": (hard(softcap=0.0), ("softcap",)),
     "softcap negative": (hard(softcap=-3.0), ("softcap",)),
     "NaN in q": (hard(q=_with(q0, (1, 2, 3, 4), float("nan"))), ("q",)),
@@ -88,6 +89,7 @@ BAD_CALLS = {
     "head dim 0": (lambda: focus_attention(*qkv(d=0), groups2d()), ("q",)),
     "causal a string": (hard(causal="no"), ("causal",)),
     "causal None": (hard(causal=None), ("causal",)),
+    "causal a 1-element bool tensor": (hard(causal=torch.tensor([True])), ("causal",)),
     "attn_mask on another device": (hard(attn_mask=torch.ones(B, 1, T, T, dtype=torch.bool, device="meta")),
                                     ("attn_mask",)),
     "soft: causal an int": (soft(causal=1), ("causal",)),
@@ -158,7 +160,7 @@ def test_good_inputs_do_not_raise(case):
 @pytest.mark.parametrize("field,value", [
     ("num_groups", 0), ("top_k", 0), ("top_k", 9), ("tau", 0), ("tau", -0.1), ("sinkhorn_iters", 0), ("gate", "x"),
     ("sink_tokens", -1), ("bias_momentum", 1.0), ("bias_momentum", -0.1), ("mode", "x"), ("window", -1),
-    ("group_dim", 0), ("gate_lambda", 0.0), ("num_groups", 2.0), ("top_k", True),
+    ("group_dim", 0), ("gate_lambda", 0.0), ("num_groups", 2.0), ("top_k", True), ("tau", True),
 ])
 def test_focus_config_validation(field, value):
     with pytest.raises(ValueError) as info:

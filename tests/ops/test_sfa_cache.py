@@ -336,9 +336,7 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
         monkeypatch.setattr(decode_module, "_POOL_FROM_TILES", 1)  # a pool at these short chunks too
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 3, 700, 128, 16
     block_n = decode_module._BLOCK_N
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
-                        programs_per_sm=decode_module._programs_per_sm(head_dim),
-                        pooled=decode_module._pool_fraction(topk) if several_tiles else 0.0)
+    work = decode_module.decode_plan(batch, q_heads, kv_heads, q_len, k_len, head_dim, topk, torch.device(DEVICE))
     if several_tiles:
         assert work.chunks >= 2 and work.chunk_keys >= 2 * block_n and k_len % block_n != 0
         assert len(units_of_pool(k_len - work.chunks * work.chunk_keys)) > 1
@@ -386,9 +384,7 @@ def test_every_unit_of_the_pool_is_taken_once_and_every_program_stops_at_its_fir
     seen = _pooled_one_sm(monkeypatch, sms=2)
     batch, q_heads, kv_heads, q_len, head_dim, topk = 2, 16, 2, 2, 64, 8
     block_n = decode_module._BLOCK_N
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
-                        programs_per_sm=decode_module._programs_per_sm(head_dim),
-                        pooled=decode_module._pool_fraction(topk))
+    work = decode_module.decode_plan(batch, q_heads, kv_heads, q_len, k_len, head_dim, topk, torch.device(DEVICE))
     pool = k_len - work.chunks * work.chunk_keys
     assert (work.row_blocks, work.chunks, units_of_pool(pool)) == (2, chunks, units)
     assert pool % block_n != 0  # the last unit cut mid-tile
@@ -470,9 +466,7 @@ def test_units_other_programs_took_are_not_taken_again(monkeypatch, taken):
     monkeypatch.setattr(decode_module, "sparse_query_table", units_taken)
     batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 1, 1700, 64, 8
     block_n = decode_module._BLOCK_N
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, torch.device(DEVICE), block_n=block_n,
-                        programs_per_sm=decode_module._programs_per_sm(head_dim),
-                        pooled=decode_module._pool_fraction(topk))
+    work = decode_module.decode_plan(batch, q_heads, kv_heads, q_len, k_len, head_dim, topk, torch.device(DEVICE))
     pool_start = work.chunks * work.chunk_keys
     units = units_of_pool(k_len - pool_start)
     assert (work.chunks, units) == (5, [4, 2, 1, 1, 1])
@@ -488,9 +482,7 @@ def test_units_other_programs_took_are_not_taken_again(monkeypatch, taken):
 
 def test_pooled_plan_leaves_at_least_its_fraction_to_the_pool_in_whole_tiles():
     """split_k.plan(pooled=p): the same programs as the fixed plan, chunks of whole tiles, at least p of the tiles
-    left past them (never none); pooled=0 is the fixed plan, whose chunks cover every key. And the decode step
-    takes the pool only where the fixed plan's chunks hold _POOL_FROM_TILES tiles: at the H200's plan (GQA 32/8,
-    one query, D = 128) 32K and longer caches do, 8K does not."""
+    left past them (never none); pooled=0 is the fixed plan, whose chunks cover every key."""
     device, block_n = torch.device(DEVICE), decode_module._BLOCK_N
     for k_len in (20, 700, 8192, 32768, 131072, 131072 + 5):
         fixed = split_k.plan(1, 32, 8, 1, k_len, device, block_n=block_n, programs_per_sm=8)
@@ -499,8 +491,21 @@ def test_pooled_plan_leaves_at_least_its_fraction_to_the_pool_in_whole_tiles():
         assert fixed.chunks * fixed.chunk_keys >= k_len > (fixed.chunks - 1) * fixed.chunk_keys
         assert pooled.chunk_keys % block_n == 0 and pooled.block_m == fixed.block_m
         assert pooled.chunks == min(tiles, 132) and tiles - pooled.chunks * pooled.chunk_keys // block_n >= 0.1 * tiles
-        takes_pool = fixed.chunk_keys >= decode_module._POOL_FROM_TILES * block_n
-        assert takes_pool == (k_len >= 32768)
+
+
+@pytest.mark.parametrize("k_len, topk, chunk_tiles, pooled_tiles", [
+    (16384, 16, 4, 0), (32768, 8, 6, 232), (32768, 16, 7, 100), (131072, 8, 27, 532), (131072, 15, 27, 532),
+    (131072, 16, 29, 268), (131072, 128, 29, 268)])
+def test_decode_plan_on_an_h200_pools_a_twentieth_from_topk_16_and_a_tenth_below(k_len, topk, chunk_tiles,
+                                                                                  pooled_tiles):
+    """The plans session 47 measured (GQA 32/8, one query, D = 128, the H200's 132 SMs at 8 programs each: 132
+    chunks per KV head): from chunks of _POOL_FROM_TILES tiles on (32K), a pool of at least 10% of the tiles below
+    topk = 16 and 5% from it on; 16K's 4-tile chunks cover every key."""
+    work = decode_module.decode_plan(1, 32, 8, 1, k_len, 128, topk, torch.device("cpu"))
+    tiles = k_len // decode_module._BLOCK_N
+    assert (work.block_m, work.row_blocks) == (4, 1)
+    assert (work.chunks, work.chunk_keys // decode_module._BLOCK_N) == (min(132, tiles // chunk_tiles), chunk_tiles)
+    assert tiles - work.chunks * chunk_tiles == pooled_tiles
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])

@@ -459,11 +459,7 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     (:func:`..triton_common.softmax_step`)."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = cache.kv_heads, cache.length
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
-                        programs_per_sm=_programs_per_sm(head_dim))
-    if work.chunk_keys >= _POOL_FROM_TILES * _BLOCK_N:
-        work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=_BLOCK_N,
-                            programs_per_sm=_programs_per_sm(head_dim), pooled=_pool_fraction(cache.topk))
+    work = decode_plan(batch, q_heads, kv_heads, q_len, k_len, head_dim, cache.topk, q.device)
     packed, values = cache.packed_keys()
     _index_layout(packed)
     words = _value_words(values)
@@ -532,6 +528,20 @@ def _value_words(values: torch.Tensor) -> torch.Tensor:
                 values.storage_offset() * values.element_size() % size == 0:
             return values.view(word)
     return values
+
+
+def decode_plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, head_dim: int, topk: int,
+                device: torch.device) -> split_k.Plan:
+    """How a decode step of Tq = ``q_len`` queries over ``k_len`` cached keys splits its keys among programs
+    (:func:`..split_k.plan`, in _BLOCK_N-key tiles): fixed chunks that cover every key where the fixed plan's chunks
+    are shorter than _POOL_FROM_TILES tiles, else chunks that leave at least :func:`_pool_fraction` (``topk``) of
+    the tiles to the pool (:func:`_sfa_decode_chunk`)."""
+    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, device, block_n=_BLOCK_N,
+                        programs_per_sm=_programs_per_sm(head_dim))
+    if work.chunk_keys < _POOL_FROM_TILES * _BLOCK_N:
+        return work
+    return split_k.plan(batch, q_heads, kv_heads, q_len, k_len, device, block_n=_BLOCK_N,
+                        programs_per_sm=_programs_per_sm(head_dim), pooled=_pool_fraction(topk))
 
 
 def _programs_per_sm(head_dim: int) -> int:
