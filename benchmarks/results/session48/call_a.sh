@@ -4,7 +4,11 @@
 # (scratch/_split_k_v47.py, carried: `git show 1ea3658:sieve_attn/ops/split_k.py`; an SFA decode module importing
 # it is made here), probed at 128K (D = 128,
 # GQA 32/8, gated, 5 interleaved rounds, SFA topk 16 and 8); then the gated `sieve bench sfa` decode rows twice,
-# each its own process; then the merge's and Focus decode's tests on the GPU. Exits on a card other than an H200.
+# each its own process. Exits on a card other than an H200. (On the H100 of call A', the probe and the GPU tests of
+# the merge and of Focus decode, which shares it: `sed -e '/grep -q H200/d' -e '/^for run in 1 2/,/^done/d'` of this
+# script, then
+#   python3 -m pytest tests/ops/test_split_k.py::test_merge_matches_float64_with_empty_and_extreme_chunks tests/ops/test_focus_decode.py -q -x -p no:cacheprovider \
+#   > $OUT/pytest_merge.txt 2>&1)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200"; exit 3; }
@@ -29,6 +33,3 @@ for run in 1 2; do
   echo "bench exit $?" >> $OUT/bench_run$run.txt; grep "^| decode\|exit" $OUT/bench_run$run.txt
   cp /tmp/bench$run/bench_sfa.json $OUT/bench_sfa_run$run.json 2>/dev/null
 done
-timeout 150 python3 -m pytest tests/ops/test_split_k.py::test_merge_matches_float64_with_empty_and_extreme_chunks tests/ops/test_focus_decode.py -q -x -p no:cacheprovider \
-    > $OUT/pytest_merge.txt 2>&1
-echo "pytest exit $?" >> $OUT/pytest_merge.txt; tail -3 $OUT/pytest_merge.txt
