@@ -27,7 +27,8 @@ _MAX_BLOCK_M = 64
 # coordinates per program and 64 chunks per step give 4x the programs and 2 steps. v11 (session 27, SFA decode at
 # 128K, gated, 5 interleaved rounds): 256 chunks per step, one step at the H200's ~132 chunks, took the step from
 # 0.0958 to 0.0939 ms at topk = 16 and from 0.0890 to 0.0873 at topk = 8 (128 per step: 0.0952 / 0.0874; 16
-# coordinates per program: 0.0944 / 0.0871).
+# coordinates per program: 0.0944 / 0.0871). Session 48 (H100, 128K, gated, 5 interleaved rounds): the one-pass
+# merge (:func:`_merge_kernel`) took topk = 8 from 0.1128 to 0.1121 ms, topk = 16 0.1205 -> 0.1204 (within noise).
 _MERGE_CHUNKS, _MERGE_D = 256, 32
 
 
