@@ -105,6 +105,14 @@ def test_bytes_per_token_are_measured_from_the_allocation(head_dim, topk, dtype,
     assert dense == dense_bytes_per_token(head_dim, dtype) == 2 * head_dim * element
 
 
+def test_bytes_per_token_count_each_heads_padding_of_its_packed_indices():
+    """Each head's packed indices fill whole 4-byte words (the decode kernel reads words): one token of D = 16,
+    topk = 4 packs its indices in 2 bytes and takes 4, so 4 + 4 * 4 + 16 * 4 = 84 bytes in float32 (the formula
+    without the padding: 82)."""
+    cache = SFAKeyCache(1, 1, 16, topk=4, dtype=F32, device=DEVICE, capacity=1)
+    assert cache.packed_bytes == 2 and cache.bytes_per_token() == 84
+
+
 def test_kv_cache_is_at_most_59_percent_of_dense_at_d128_k16_bf16():
     """The issue's setting (D = 128, topk = 16, bfloat16 values): 16 indices of 7 bits in 14 bytes, so
     (14 + 32 + 256) / 512 = 0.58984375 <= 0.59, i.e. 41.0% less than dense K+V (whole bytes per index, 304 bytes,
@@ -616,6 +624,9 @@ BAD_CALLS = {
     "indices-of-another-D": ("indices", lambda: make_cache().append_codes(*codes(head_dim=64), tokens())),
     "indices-out-of-range": ("indices",
                              lambda: make_cache().append_codes(codes()[0] + 200, codes()[1], tokens())),
+    "indices-equal-to-D": ("indices", lambda: make_cache().append_codes(
+        torch.cat([torch.full_like(codes()[0][..., :1], 32), codes()[0][..., 1:]], dim=-1), codes()[1], tokens())),
+    "v-other-length-than-codes": ("v", lambda: make_cache().append_codes(*codes(length=1), tokens(length=3))),
     "indices-repeated": ("indices",
                          lambda: make_cache().append_codes(codes()[0][..., :1].repeat(1, 1, 1, 4), codes()[1],
                                                            tokens())),

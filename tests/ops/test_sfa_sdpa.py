@@ -101,19 +101,24 @@ def test_matches_reference_forward_and_backward(case):
     assert torch.all(got[1][sparsify(q, topk) == 0] == 0) and torch.all(got[2][sparsify(k, topk) == 0] == 0)
 
 
-def test_padding_mask_and_a_fully_masked_row_into_a_poisoned_out():
-    """A padding mask ANDed with causality; a query with no attended key returns 0 and passes no gradient (dense
-    kernels differ there, some giving NaN); ``out`` poisoned with NaN is overwritten."""
-    q, k, v = _qkv(2, 4, 2, 33, 33, 32, F32, seed=9)
-    mask = torch.ones(2, 1, 33, 33, dtype=torch.bool, device=DEVICE)
-    mask[0, :, :, :5] = False  # sequence 0: the first 5 keys are padding, so its queries 0-4 attend nothing
-    grad = torch.randn(2, 4, 33, 32, generator=torch.Generator().manual_seed(2), dtype=F64).to(DEVICE)
+@pytest.mark.parametrize("q_len, empty_rows", [(33, 5), (5, 3)], ids=["square", "queries-at-the-end"])
+def test_padding_mask_and_a_fully_masked_row_into_a_poisoned_out(q_len, empty_rows):
+    """A padding mask ANDed with causality, the queries the last Tq of Tk = 33 positions (the causal diagonal aligned
+    bottom-right); a query with no attended key returns 0 and passes no gradient (dense kernels differ there, some
+    giving NaN); ``out`` poisoned with NaN is overwritten."""
+    q, k, v = _qkv(2, 4, 2, q_len, 33, 32, F32, seed=9)
+    mask = torch.ones(2, 1, q_len, 33, dtype=torch.bool, device=DEVICE)
+    # Sequence 0: keys up to the position of query empty_rows - 1 are padding, so queries 0 .. empty_rows - 1
+    # attend nothing.
+    mask[0, :, :, :33 - q_len + empty_rows] = False
+    grad = torch.randn(2, 4, q_len, 32, generator=torch.Generator().manual_seed(2), dtype=F64).to(DEVICE)
     kw = dict(topk=6, causal=True, attn_mask=mask)
     with runs_backend("sfa", "sdpa"):
         got = _run("sdpa", q, k, v, grad, **kw)
     exact = _run("reference", q.double(), k.double(), v.double(), grad, **kw)
     _assert_rule("padding", got, exact, _pytorch_own(q, k, v, grad, **kw), FLOOR[F32])
-    assert torch.all(got[0][0, :, :5] == 0) and torch.all(got[1][0, :, :5] == 0)
+    assert torch.all(got[0][0, :, :empty_rows] == 0) and torch.all(got[1][0, :, :empty_rows] == 0)
+    assert got[0][0, :, empty_rows:].abs().amax(dim=-1).min() > 0
     out = torch.full_like(q, float("nan"))
     assert sfa_attention(q, k, v, backend="sdpa", out=out, **kw) is out
     torch.testing.assert_close(out, got[0], rtol=0, atol=0)

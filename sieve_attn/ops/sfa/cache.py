@@ -183,8 +183,9 @@ class SFAKeyCache:
 
     def bytes_per_token(self) -> float:
         """Measured bytes per token slot and KV head: allocated_bytes() / (B * Hkv * capacity). Compare with
-        :func:`dense_bytes_per_token` (head_dim, dtype). packed_bytes + (topk + D) * element size: 302 at D = 128,
-        topk = 16, bfloat16, against 512 dense."""
+        :func:`dense_bytes_per_token` (head_dim, dtype). packed_bytes + (topk + D) * element size, plus each head's
+        padding of its packed indices to whole 4-byte words (at most 3 bytes per head, so nothing past the first
+        decimals at long capacities): 302 at D = 128, topk = 16, bfloat16, against 512 dense."""
         return self.allocated_bytes() / (self.batch * self.kv_heads * self.capacity)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
