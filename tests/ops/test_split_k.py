@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from sieve_attn.ops import split_k
-from sieve_attn.ops.triton_common import kernel_blocker
 from sieve_attn.ops.focus import decode as focus_decode
 from sieve_attn.ops.sfa import decode as sfa_decode
+from sieve_attn.ops.triton_common import kernel_blocker
 
 SMS = 132  # the CPU plans for an H200 (split_k._DEFAULT_SMS), as does an H100 SXM
 KERNELS = {
