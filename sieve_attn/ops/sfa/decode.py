@@ -45,6 +45,9 @@ narrows. Session 36 (H100, benchmarks/results/session36): pool units that shrink
 0.188); gated bench 1.56x and 1.68x. On the H200 (session 42, benchmarks/results/session42) the gated bench
 read 0.0920 ms at topk = 16, 1.46x dense's 0.1346, and 0.0837 ms, 1.61x, at topk = 8. Session 47 (H200, gated
 probe): with a 5% pool at topk = 16 (:func:`_pool_fraction`) 0.0910 ms against 0.1360, 1.495x (10%: 0.0918).
+Session 49 (H200, benchmarks/results/session49, the one-pass merge): gated bench in five runs, topk = 16
+0.0899-0.0907 ms against 0.1349-0.1360, 1.487-1.507x (median 1.501x), topk = 8 1.613-1.625x; probe 0.0908 ms
+against 0.1358, 1.496x (session 47's merge 0.0908 beside it).
 """
 from __future__ import annotations
 
