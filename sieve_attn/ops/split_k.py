@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_common import hopper_or_newer, jit, triton, wait_for_prior_kernel
+from .triton_common import hopper_or_newer, is_interpreted, jit, triton, wait_for_prior_kernel
 
 if triton is not None:
     import triton.language as tl
@@ -30,6 +30,13 @@ _MAX_BLOCK_M = 64
 # coordinates per program: 0.0944 / 0.0871). Session 48 (H100, 128K, gated, 5 interleaved rounds): the one-pass
 # merge (:func:`_merge_kernel`) took topk = 8 from 0.1128 to 0.1121 ms, topk = 16 0.1205 -> 0.1204 (within noise).
 _MERGE_CHUNKS, _MERGE_D = 256, 32
+# What the driver keeps of an SM's shared memory for each resident block (sm_80 and later: 1 KiB); torch's
+# shared_memory_per_multiprocessor counts it in.
+_RESERVED_SHARED = 1024
+# Registers go to a warp in units of 256 (8 per thread).
+_REGISTER_UNIT = 256
+# Programs one SM holds of a compiled kernel: {(device index, kernel, options, argument dtypes): count}.
+_HELD: dict = {}
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,43 @@ class Plan:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``; an H200's count off CUDA."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
+
+
+def programs_an_sm_holds(shared: int, registers: int, warps: int, sm_shared: int, sm_registers: int,
+                         sm_threads: int) -> int:
+    """Programs of a kernel that one SM holds at once, each taking ``shared`` bytes of shared memory (plus the
+    driver's reserve of 1 KiB per block) and ``registers`` per thread (given to each of its ``warps`` warps in units
+    of 256), of the SM's ``sm_shared`` bytes, ``sm_registers`` registers and ``sm_threads`` threads (0 where one
+    program does not fit)."""
+    per_warp = -(-registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
+    return min(sm_shared // (shared + _RESERVED_SHARED), sm_registers // max(1, per_warp * warps),
+               sm_threads // (32 * warps))
+
+
+def programs_per_sm(kernel, args: tuple, options: dict, device: torch.device, wanted: int) -> int:
+    """``wanted``, or fewer where one SM of ``device`` cannot hold that many programs of ``kernel`` (a Triton JIT
+    function) compiled for its positional ``args`` (a tensor may be given as its dtype) and ``options`` (its
+    constexprs and launch options, num_warps among them): :func:`programs_an_sm_holds` of the compiled kernel's
+    shared memory and registers. Off CUDA and under the interpreter, ``wanted``. The count is kept per device,
+    options and argument dtypes (Triton keeps the compiled kernel).
+
+    Why: :func:`plan` lays out whole waves of ``programs_per_sm`` programs per SM, all running at once; where an SM
+    holds fewer, the programs past them run a whole chunk each after the others, on SMs otherwise idle. SFA decode
+    planned 8 per SM at D = 128, which its shared memory fits at topk = 16 (27.9 KiB each with Triton 3.6), but only 7
+    at topk = 20 and 6 at topk = 24: on an H100 (session 49) its step at 128K took 0.161 and 0.158 ms there against
+    0.121 at topk = 16, for 4% and 8% more bytes."""
+    if device.type != "cuda" or is_interpreted(kernel):
+        return wanted
+    key = (device.index, kernel, tuple(sorted(options.items())),
+           tuple(a if isinstance(a, torch.dtype) else getattr(a, "dtype", type(a)) for a in args))
+    if key not in _HELD:
+        compiled = kernel.warmup(*args, grid=(1,), **options)
+        compiled._init_handles()  # loads the binary, which is what reports its registers
+        props = torch.cuda.get_device_properties(device)
+        _HELD[key] = programs_an_sm_holds(compiled.metadata.shared, compiled.n_regs, compiled.metadata.num_warps,
+                                          props.shared_memory_per_multiprocessor, props.regs_per_multiprocessor,
+                                          props.max_threads_per_multi_processor)
+    return max(1, min(wanted, _HELD[key]))
 
 
 def plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, device: torch.device, *, block_n: int,

@@ -8,6 +8,7 @@ that file. If the module was imported without the variable anyway, the kernel te
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy
 import pytest
@@ -122,6 +123,30 @@ def test_chunks_of_many_tiles_match_reference(sms, head_dim, monkeypatch):
     kwargs = dict(window=5, causal=True, scale=head_dim ** -0.5, softcap=None)
     exact, exact_lse = focus_attention_reference(q.double(), k.double(), v.double(), groups, **kwargs)
     out, lse = focus_decode(q, k, v, group_bits(groups), window=5, scale=head_dim ** -0.5)
+    assert max_error(out, exact) < 1e-5 and max_error(lse, exact_lse) < 1e-5
+
+
+@needs_kernels
+def test_a_step_plans_for_the_programs_an_sm_holds_of_its_kernel(monkeypatch):
+    """Where an SM holds fewer programs of the compiled kernel than _PROGRAMS_PER_SM (on a GPU,
+    split_k.programs_per_sm counts them; here it is told 1 of 3), the step plans for that many: fewer chunks, the
+    same result."""
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 4)
+    asked, planned, partials = [], [], split_k.partials
+    monkeypatch.setattr(split_k, "programs_per_sm",
+                        lambda kernel, args, options, device, wanted: asked.append((kernel, wanted)) or 1)
+    monkeypatch.setattr(split_k, "partials", lambda q, chunks: planned.append(chunks) or partials(q, chunks))
+    torch.manual_seed(0)
+    q, k, v = make_inputs(1, 4, 2, 2, 600, 32, F32, strided=False)
+    groups = random_groups(1, 600, 8, 2).to(DEVICE)
+    kwargs = dict(window=5, causal=True, scale=32 ** -0.5, softcap=None)
+    exact, exact_lse = focus_attention_reference(q.double(), k.double(), v.double(), groups, **kwargs)
+    out, lse = focus_decode(q, k, v, group_bits(groups), window=5, scale=32 ** -0.5)
+    assert asked == [(decode._focus_decode_chunk, decode._PROGRAMS_PER_SM)]
+    plan = partial(split_k.plan, 1, 4, 2, 2, 600, q.device, block_n=decode._block_n(32),
+                   max_chunk_tiles=decode._MAX_CHUNK_TILES)
+    assert planned == [plan(programs_per_sm=1).chunks]
+    assert plan(programs_per_sm=decode._PROGRAMS_PER_SM).chunks > planned[0]
     assert max_error(out, exact) < 1e-5 and max_error(lse, exact_lse) < 1e-5
 
 

@@ -8,6 +8,7 @@ not depend on that file. If the module was imported without it anyway, the kerne
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -352,6 +353,35 @@ def test_chunks_of_several_tiles_carry_the_softmax_across_tiles(monkeypatch, sev
     k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
     q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
     out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
+    assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
+
+
+def test_a_step_plans_for_the_programs_an_sm_holds_of_its_kernel(monkeypatch):
+    """Where an SM holds fewer programs of the compiled decode kernel than _programs_per_sm wants (on a GPU,
+    split_k.programs_per_sm counts them from its shared memory and registers; here it is told 3 of 10), the step
+    plans for that many: fewer chunks, the same result."""
+    if KERNEL_BLOCKER:
+        pytest.skip(KERNEL_BLOCKER)
+    batch, q_heads, kv_heads, q_len, k_len, head_dim, topk = 1, 4, 2, 1, 40 * decode_module._BLOCK_N, 64, 8
+    wanted = decode_module._programs_per_sm(head_dim)
+    asked = []
+
+    def three(kernel, args, options, device, want):
+        asked.append((kernel, want))
+        return 3
+
+    monkeypatch.setattr(split_k, "programs_per_sm", three)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
+    planned, partials = [], split_k.partials
+    monkeypatch.setattr(split_k, "partials", lambda q, chunks: planned.append(chunks) or partials(q, chunks))
+    torch.manual_seed(0)
+    k, v = random_kv(batch, kv_heads, k_len, head_dim, BF16)
+    q = torch.randn(batch, q_heads, q_len, head_dim, device=DEVICE).to(BF16)
+    out, lse = sfa_decode(q, filled_cache(k, v, topk), backend="triton")
+    assert asked == [(decode_module._sfa_decode_chunk, wanted)]
+    plan = partial(decode_module.decode_plan, batch, q_heads, kv_heads, q_len, k_len, head_dim, topk,
+                   torch.device(DEVICE))
+    assert planned == [plan(programs_per_sm=3).chunks] and plan().chunks > planned[0]
     assert_sfa_of_the_dense_keys(out, lse, q, k, v, topk)
 
 

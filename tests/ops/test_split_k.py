@@ -126,3 +126,24 @@ def test_merge_matches_float64_with_empty_and_extreme_chunks(chunks, merge_chunk
                                      (lse[finite], exact_lse[finite], torch_lse[finite], torch.finfo(F32).eps)):
         bound = 2 * (float32.double() - exact).abs().max().item() + ulp * exact.abs() + 1e-6
         assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max().item()
+
+
+@pytest.mark.parametrize("shared, registers, warps, held", [
+    (27920, 166, 1, 8),  # SFA decode, D = 128, topk = 16, sm_90 (Triton 3.6): 8 x (27920 + 1024) <= 233472
+    (30736, 168, 1, 7),  # topk = 20: one program fewer than the 8 its plan wanted
+    (33552, 168, 1, 6),  # topk = 24
+    (1000, 255, 1, 8),  # registers: 255 a thread round up to 8192 a warp
+    (1000, 32, 8, 8),  # threads: 2048 / 256
+    (232449, 32, 1, 0),  # one program does not fit
+])
+def test_programs_an_sm_holds_counts_shared_memory_with_its_reserve_registers_and_threads(shared, registers, warps,
+                                                                                           held):
+    """An H100's or H200's SM: 233472 bytes of shared memory (the driver's 1 KiB per block inside it), 65536
+    registers, 2048 threads."""
+    assert split_k.programs_an_sm_holds(shared, registers, warps, 233472, 65536, 2048) == held
+
+
+def test_programs_per_sm_off_cuda_is_what_the_plan_wanted():
+    """Without a GPU nothing is compiled to count: the wanted number stands (the interpreter's plans follow an
+    H200's)."""
+    assert split_k.programs_per_sm(split_k._merge_kernel, (), {}, torch.device("cpu"), 5) == 5

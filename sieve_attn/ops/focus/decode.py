@@ -24,6 +24,8 @@ query rows, G x Tq, exceed 64); the lists (4 bytes per attended key, written and
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -205,24 +207,34 @@ def focus_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.
                        "stride(3) < 2**31; a contiguous [B, Hkv, Tk, D] cache does up to 16M tokens at D = 128)",
                  f"strides {t.stride()} at Tk = {k_len}")
     block_n = _block_n(head_dim)
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=block_n,
-                        programs_per_sm=_PROGRAMS_PER_SM, max_chunk_tiles=_MAX_CHUNK_TILES)
+    plan = partial(split_k.plan, batch, q_heads, kv_heads, q_len, k_len, q.device, block_n=block_n,
+                   max_chunk_tiles=_MAX_CHUNK_TILES)
+    work = plan(programs_per_sm=_PROGRAMS_PER_SM)
+    options = dict(HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=block_n, SCAN_N=_SCAN_N,
+                   SCAN_M=triton.next_power_of_2(min(q_len, work.block_m)), SCAN_STAGES=_SCAN_STAGES,
+                   PREFETCH_KEYS=_PREFETCH_KEYS, SOFTCAP=softcap is not None,
+                   NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
+                   num_stages=_num_stages(head_dim, q.element_size()))
+
+    def arguments(keys, part_out, part_lse, work):
+        return (q, k, v, bits, keys, part_out, part_lse,
+                *q.stride(), *k.stride(), *v.stride(), *bits.stride(),
+                kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale * LOG2E,
+                (1.0 if softcap is None else softcap) * LOG2E, work.chunk_keys, work.chunks)
+
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
-    part_out, part_lse = (out, lse) if work.chunks == 1 else split_k.partials(q, work.chunks)
-    programs = batch * kv_heads * work.chunks * work.row_blocks
-    keys = torch.empty(programs * work.chunk_keys, dtype=torch.int32, device=q.device)
     with on_device_of(q):
+        partial_dtype = q.dtype if work.chunks == 1 else torch.float32  # one chunk writes the output itself
+        signature = arguments(torch.int32, partial_dtype, torch.float32, work)
+        held = split_k.programs_per_sm(_focus_decode_chunk, signature, options, q.device, _PROGRAMS_PER_SM)
+        if held < _PROGRAMS_PER_SM:
+            work = plan(programs_per_sm=held)
+        part_out, part_lse = (out, lse) if work.chunks == 1 else split_k.partials(q, work.chunks)
+        programs = batch * kv_heads * work.chunks * work.row_blocks
+        keys = torch.empty(programs * work.chunk_keys, dtype=torch.int32, device=q.device)
         _focus_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
-            q, k, v, bits, keys, part_out, part_lse,
-            *q.stride(), *k.stride(), *v.stride(), *bits.stride(),
-            kv_heads, q_heads // kv_heads, q_len, k_len, min(window, k_len), scale * LOG2E,
-            (1.0 if softcap is None else softcap) * LOG2E, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, BLOCK_M=work.block_m, BLOCK_N=block_n, SCAN_N=_SCAN_N,
-            SCAN_M=triton.next_power_of_2(min(q_len, work.block_m)), SCAN_STAGES=_SCAN_STAGES,
-            PREFETCH_KEYS=_PREFETCH_KEYS, SOFTCAP=softcap is not None,
-            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, num_warps=_NUM_WARPS,
-            num_stages=_num_stages(head_dim, q.element_size()))
+            *arguments(keys, part_out, part_lse, work), **options)
         if work.chunks > 1:
             split_k.merge(part_out, part_lse, out, lse)
     return out, lse

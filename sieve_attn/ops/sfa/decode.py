@@ -51,6 +51,8 @@ against 0.1358, 1.496x (session 47's merge 0.0908 beside it).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..._checks import FLOAT_DTYPES, check_choice, check_no_nan, fail, resolve_scale
@@ -462,30 +464,42 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     (:func:`..triton_common.softmax_step`)."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, k_len = cache.kv_heads, cache.length
-    work = decode_plan(batch, q_heads, kv_heads, q_len, k_len, head_dim, cache.topk, q.device)
+    plan = partial(decode_plan, batch, q_heads, kv_heads, q_len, k_len, head_dim, cache.topk, q.device)
+    work = plan()
     packed, values = cache.packed_keys()
     _index_layout(packed)
     words = _value_words(values)
     v = cache.values()
     v_tiles = _v_tile_descriptor(v)
-    part_out, part_lse = split_k.partials(q, work.chunks)
+    options = dict(
+        HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, NBYTES=cache.packed_bytes,
+        BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
+        VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
+        NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, V_TMA=v_tiles is not None,
+        UNIT_LEVELS=unit_levels(_UNIT_TILES), PREFETCH_TILES=_PREFETCH_TILES,
+        num_warps=_NUM_WARPS, launch_pdl=hopper_or_newer(q.device),
+        num_stages=_pipeline_stages(cache.topk, work.block_m, head_dim, q.element_size()))
+
+    def arguments(table, counters, part_out, part_lse, work):
+        return (q, table, counters, packed, words, v, v_tiles, part_out, part_lse,
+                *q.stride(), *packed.stride()[:2], *words.stride()[:3], *v.stride(),
+                kv_heads, q_heads // kv_heads, q_len, k_len, scale * LOG2E, work.chunk_keys, work.chunks)
+
     # The merge rounds to q's dtype itself on GPUs; the interpreter truncates float32 -> 16-bit casts, so there it
     # merges in float32 and torch rounds.
     out = torch.empty(q.shape, dtype=torch.float32 if _INTERPRETED else q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with on_device_of(q):
+        wanted = _programs_per_sm(head_dim)
+        held = split_k.programs_per_sm(_sfa_decode_chunk, arguments(q.dtype, torch.int32, torch.float32,
+                                                                    torch.float32, work),
+                                       options, q.device, wanted)
+        if held < wanted:
+            work = plan(programs_per_sm=held)
+        part_out, part_lse = split_k.partials(q, work.chunks)
         table, counters = sparse_query_table(q, cache.topk, kv_heads, work.block_m)
         _sfa_decode_chunk[(batch * kv_heads, work.chunks, work.row_blocks)](
-            q, table, counters, packed, words, v, v_tiles, part_out, part_lse,
-            *q.stride(), *packed.stride()[:2], *words.stride()[:3], *v.stride(),
-            kv_heads, q_heads // kv_heads, q_len, k_len, scale * LOG2E, work.chunk_keys, work.chunks,
-            HEAD_DIM=head_dim, TOPK=cache.topk, INDEX_BITS=cache.index_bits, NBYTES=cache.packed_bytes,
-            BLOCK_M=work.block_m, BLOCK_N=_BLOCK_N, PER_WORD=words.element_size() // values.element_size(),
-            VALUE_DTYPE=getattr(tl, str(values.dtype).removeprefix("torch.")),
-            NATIVE_DOT=q.dtype != torch.float32 and not _INTERPRETED, V_TMA=v_tiles is not None,
-            UNIT_LEVELS=unit_levels(_UNIT_TILES), PREFETCH_TILES=_PREFETCH_TILES,
-            num_warps=_NUM_WARPS, launch_pdl=hopper_or_newer(q.device),
-            num_stages=_pipeline_stages(cache.topk, work.block_m, head_dim, q.element_size()))
+            *arguments(table, counters, part_out, part_lse, work), **options)
         split_k.merge(part_out, part_lse, out, lse)
     return out.to(q.dtype), lse
 
@@ -534,17 +548,18 @@ def _value_words(values: torch.Tensor) -> torch.Tensor:
 
 
 def decode_plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, head_dim: int, topk: int,
-                device: torch.device) -> split_k.Plan:
+                device: torch.device, programs_per_sm: int | None = None) -> split_k.Plan:
     """How a decode step of Tq = ``q_len`` queries over ``k_len`` cached keys splits its keys among programs
-    (:func:`..split_k.plan`, in _BLOCK_N-key tiles): fixed chunks that cover every key where the fixed plan's chunks
-    are shorter than _POOL_FROM_TILES tiles, else chunks that leave at least :func:`_pool_fraction` (``topk``) of
-    the tiles to the pool (:func:`_sfa_decode_chunk`)."""
-    work = split_k.plan(batch, q_heads, kv_heads, q_len, k_len, device, block_n=_BLOCK_N,
-                        programs_per_sm=_programs_per_sm(head_dim))
+    (:func:`..split_k.plan`, in _BLOCK_N-key tiles, ``programs_per_sm`` to an SM, by default
+    :func:`_programs_per_sm`; the step gives fewer where an SM holds fewer of its compiled kernel): fixed chunks
+    that cover every key where the fixed plan's chunks are shorter than _POOL_FROM_TILES tiles, else chunks that
+    leave at least :func:`_pool_fraction` (``topk``) of the tiles to the pool (:func:`_sfa_decode_chunk`)."""
+    plan = partial(split_k.plan, batch, q_heads, kv_heads, q_len, k_len, device, block_n=_BLOCK_N,
+                   programs_per_sm=_programs_per_sm(head_dim) if programs_per_sm is None else programs_per_sm)
+    work = plan()
     if work.chunk_keys < _POOL_FROM_TILES * _BLOCK_N:
         return work
-    return split_k.plan(batch, q_heads, kv_heads, q_len, k_len, device, block_n=_BLOCK_N,
-                        programs_per_sm=_programs_per_sm(head_dim), pooled=_pool_fraction(topk))
+    return plan(pooled=_pool_fraction(topk))
 
 
 def _programs_per_sm(head_dim: int) -> int:
