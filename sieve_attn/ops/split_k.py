@@ -74,7 +74,8 @@ def programs_per_sm(kernel, args: tuple, options: dict, device: torch.device, wa
     function) compiled for its positional ``args`` (a tensor may be given as its dtype) and ``options`` (its
     constexprs and launch options, num_warps among them): :func:`programs_an_sm_holds` of the compiled kernel's
     shared memory and registers. Off CUDA and under the interpreter, ``wanted``. The count is kept per device,
-    options and argument dtypes (Triton keeps the compiled kernel).
+    options and argument dtypes (Triton keeps the compiled kernel); where a Triton compile hook returns no kernel,
+    ``wanted``.
 
     Why: :func:`plan` lays out whole waves of ``programs_per_sm`` programs per SM, all running at once; where an SM
     holds fewer, the programs past them run a whole chunk each after the others, on SMs otherwise idle. SFA decode
@@ -87,6 +88,9 @@ def programs_per_sm(kernel, args: tuple, options: dict, device: torch.device, wa
            tuple(a if isinstance(a, torch.dtype) else getattr(a, "dtype", type(a)) for a in args))
     if key not in _HELD:
         compiled = kernel.warmup(*args, grid=(1,), **options)
+        if compiled is None:  # a Triton compile hook took the compile over: nothing to count
+            return wanted
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # Triton's asynchronous compile
         compiled._init_handles()  # loads the binary, which is what reports its registers
         props = torch.cuda.get_device_properties(device)
         _HELD[key] = programs_an_sm_holds(compiled.metadata.shared, compiled.n_regs, compiled.metadata.num_warps,
