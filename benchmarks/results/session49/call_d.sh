@@ -4,7 +4,7 @@
 # bytes; compiled for sm_90 its shared memory fits 8 programs an SM at topk 16 but 7 at 20 and 6 at 24, where the
 # plan put 8. Here: the gated bench rows of call C again (now planned for what
 # an SM holds), the programs held per configuration, a probe of fewer pipeline stages (a smaller kernel, so more
-# programs an SM) at topk 20 and 24, then the GPU tests of the decode steps and the plan (as many as 2 min allow).
+# programs an SM) at topk 20 and 24, then the GPU tests of the decode steps and the plan (as many as 1 min allows).
 # Focus decode plans the same way (its tests run too).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -31,6 +31,6 @@ timeout 150 python3 benchmarks/decode_probe.py --kernel sfa --topk 20,24 --lengt
     --variants 'decode,decode:_NUM_STAGES=4,decode:_NUM_STAGES=3' --out $OUT/probe > $OUT/probe.txt 2>&1
 echo "probe exit $?" >> $OUT/probe.txt
 grep -o '"variant": "[^"]*", "T": [0-9]*, "topk": [0-9]*, "D": [0-9]*, "rounds": \[[^]]*\], "ms": [0-9.]*, "x_dense": [0-9.]*' $OUT/probe.txt | sed 's/"rounds": \[[^]]*\], //'
-timeout 120 python3 -m pytest tests/ops/test_split_k.py tests/ops/test_sfa_cache.py tests/ops/test_focus_decode.py \
+timeout 60 python3 -m pytest tests/ops/test_split_k.py tests/ops/test_sfa_cache.py tests/ops/test_focus_decode.py \
     -q -x -p no:cacheprovider \
     > $OUT/tests.txt 2>&1; echo "tests exit $?" >> $OUT/tests.txt; tail -3 $OUT/tests.txt

@@ -566,7 +566,9 @@ def _programs_per_sm(head_dim: int) -> int:
     """Programs per SM of a decode step (:func:`..split_k.plan`). v9 call C (128K, GQA 32/8, 5 stages, gated; k = 8
     and 16 summed): at D = 128, 8 (0.094 + 0.098 ms; 5-7 per SM 0.093-0.094 + 0.100-0.105); at D = 64, 10 (0.064 +
     0.073; 8 and 12 per SM 0.061 + 0.084, 0.062 + 0.085). Run-to-run spread of one plan in one session is up to 9%
-    (the same 5-stage plan re-timed: 0.102 + 0.107 at D = 128). Head dims 16, 32 and 256 are not measured."""
+    (the same 5-stage plan re-timed: 0.102 + 0.107 at D = 128). Head dims 16, 32 and 256 are not measured. The step
+    plans for fewer where an SM holds fewer of its compiled kernel (:func:`..split_k.programs_per_sm`): at D = 128,
+    topk = 20 and 24 hold 7 and 6 (Triton 3.6)."""
     return 8 if head_dim >= 128 else 10
 
 
