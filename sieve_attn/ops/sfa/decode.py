@@ -491,9 +491,8 @@ def sfa_decode_triton(q: torch.Tensor, cache: SFAKeyCache, *, scale: float) -> t
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with on_device_of(q):
         wanted = _programs_per_sm(head_dim)
-        held = split_k.programs_per_sm(_sfa_decode_chunk, arguments(q.dtype, torch.int32, torch.float32,
-                                                                    torch.float32, work),
-                                       options, q.device, wanted)
+        signature = arguments(q.dtype, torch.int32, torch.float32, torch.float32, work)
+        held = split_k.programs_per_sm(_sfa_decode_chunk, signature, options, q.device, wanted)
         if held < wanted:
             work = plan(programs_per_sm=held)
         part_out, part_lse = split_k.partials(q, work.chunks)
