@@ -140,14 +140,37 @@ def test_the_ops_here_launch_every_kernel_of_the_library():
     assert launched_in_the_library() - recorded == set()
 
 
+def _compiling_env() -> dict:
+    """This process's environment for a child that compiles the kernels (TRITON_INTERPRET unset) and imports the
+    repository's packages."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("op", OPS, ids=[op.__name__ for op in OPS])
 def test_every_kernel_the_op_launches_compiles_for_sm90(op, dtype):
     launches = launches_of(op, dtype)
     assert launches, f"{op.__name__} launched no Triton kernel"
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     compiled = subprocess.run([sys.executable, "-m", "tests.ops.gpu_compile"], input=json.dumps(launches),
-                              capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+                              capture_output=True, text=True, env=_compiling_env(), cwd=REPO, timeout=900)
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert compiled.stdout == "", f"{len(launches)} launches, these would fail on an sm_90 GPU:\n{compiled.stdout}"
+
+
+def test_decode_steps_count_the_programs_an_sm_holds_through_tritons_jit():
+    """The decode steps' occupancy query (:func:`sieve_attn.ops.split_k.programs_per_sm`), run as on a GPU through
+    Triton's warmup and compiled kernel, with only the driver's device and binary load stubbed
+    (:mod:`.sm90_occupancy`): SFA at D = 128 keeps its 8 programs an SM at topk = 16, where its compiled kernel
+    fits 8, and plans fewer at topk = 20, whose shared memory holds fewer (7 with Triton 3.6 and 3.9); Focus keeps
+    its 3."""
+    found = subprocess.run([sys.executable, "-m", "tests.ops.sm90_occupancy"], capture_output=True, text=True,
+                           env=_compiling_env(), cwd=REPO, timeout=900)
+    assert found.returncode == 0, found.stderr[-3000:]
+    held = {(entry["kernel"], entry["head_dim"], entry["topk"]): (entry["wanted"], entry["held"])
+            for entry in json.loads(found.stdout)}
+    assert held[("_sfa_decode_chunk", 128, 16)] == (8, 8)
+    wanted, fewer = held[("_sfa_decode_chunk", 128, 20)]
+    assert wanted == 8 and 1 <= fewer < 8
+    assert held[("_focus_decode_chunk", 128, None)] == (3, 3)
