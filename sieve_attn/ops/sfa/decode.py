@@ -76,8 +76,16 @@ if triton is not None:
 # keeps one buffer of each staged load (the V tile's too) at 3-4 stages, two at 5-6 (28 KB of shared memory at
 # D = 128, so 8 programs per SM fit), three at 8 (42 KB, 5 per SM). Swept with the programs per SM (call C, gated):
 # 5 stages at 8 per SM fastest at topk = 16 (0.098 ms; 4 stages 0.103-0.114; 8 stages 0.104-0.121), topk = 8
-# within noise of the best (0.094 vs 0.091). Programs per SM: :func:`_programs_per_sm`.
+# within noise of the best (0.094 vs 0.091).
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
+# Programs per SM (:func:`_programs_per_sm`). v9 call C (128K, GQA 32/8, 5 stages, gated; k = 8 and 16 summed):
+# at D = 128, 8 (0.094 + 0.098 ms; 5-7 per SM 0.093-0.094 + 0.100-0.105); at D = 64, 10 (0.064 + 0.073; 8 and 12
+# per SM 0.061 + 0.084, 0.062 + 0.085). Run-to-run spread of one plan in one session is up to 9% (the same 5-stage
+# plan re-timed: 0.102 + 0.107 at D = 128). Head dims 16, 32 and 256 are not measured. What an SM holds of the
+# compiled kernel (sm_90, 5 stages, Triton 3.6 and 3.9; session 50): at D = 128 9 / 8 / 7 / 6 programs at topk =
+# 8 / 16 / 20 / 24, at D = 64 15 / 11 / 9 / 8; so v9's 12 per SM at D = 64 ran 11 at topk = 16 (its 0.085 ms came
+# from the programs past them), and more than 8 at D = 128 was never measured.
+_PROGRAMS_PER_SM_WIDE, _PROGRAMS_PER_SM_NARROW = 8, 10
 # The pool of keys the programs take over from each other (:func:`_sfa_decode_chunk`): the fraction of the tiles
 # left out of the chunks, and the tiles of one unit taken at a time. v10 call D (128K, GQA 32/8, 5 stages, gated,
 # hot, 5 interleaved rounds): at D = 128 a 10% pool of 4-tile units took topk = 16 from 0.0988 to 0.0968 ms and
@@ -562,13 +570,10 @@ def decode_plan(batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int,
 
 
 def _programs_per_sm(head_dim: int) -> int:
-    """Programs per SM of a decode step (:func:`..split_k.plan`). v9 call C (128K, GQA 32/8, 5 stages, gated; k = 8
-    and 16 summed): at D = 128, 8 (0.094 + 0.098 ms; 5-7 per SM 0.093-0.094 + 0.100-0.105); at D = 64, 10 (0.064 +
-    0.073; 8 and 12 per SM 0.061 + 0.084, 0.062 + 0.085). Run-to-run spread of one plan in one session is up to 9%
-    (the same 5-stage plan re-timed: 0.102 + 0.107 at D = 128). Head dims 16, 32 and 256 are not measured. The step
-    plans for fewer where an SM holds fewer of its compiled kernel (:func:`..split_k.programs_per_sm`): at D = 128,
-    topk = 20 and 24 hold 7 and 6 (Triton 3.6)."""
-    return 8 if head_dim >= 128 else 10
+    """Programs per SM of a decode step (:func:`..split_k.plan`): _PROGRAMS_PER_SM_WIDE from D = 128 on, else
+    _PROGRAMS_PER_SM_NARROW. The step plans for fewer where an SM holds fewer of its compiled kernel
+    (:func:`..split_k.programs_per_sm`)."""
+    return _PROGRAMS_PER_SM_WIDE if head_dim >= 128 else _PROGRAMS_PER_SM_NARROW
 
 
 def _pool_fraction(topk: int) -> float:
