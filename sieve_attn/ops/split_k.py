@@ -81,7 +81,8 @@ def programs_per_sm(kernel, args: tuple, options: dict, device: torch.device, wa
     holds fewer, the programs past them run a whole chunk each after the others, on SMs otherwise idle. SFA decode
     planned 8 per SM at D = 128, which its shared memory fits at topk = 16 (27.9 KiB each with Triton 3.6), but only 7
     at topk = 20 and 6 at topk = 24: on an H100 (session 49) its step at 128K took 0.161 and 0.158 ms there against
-    0.121 at topk = 16, for 4% and 8% more bytes."""
+    0.121 at topk = 16, for 4% and 8% more bytes; planned for what an SM holds (session 50, same H100 type, gated
+    bench), 0.124 and 0.130 ms."""
     if device.type != "cuda" or is_interpreted(kernel):
         return wanted
     key = (device.index, kernel, tuple(sorted(options.items())),

@@ -76,7 +76,9 @@ if triton is not None:
 # keeps one buffer of each staged load (the V tile's too) at 3-4 stages, two at 5-6 (28 KB of shared memory at
 # D = 128, so 8 programs per SM fit), three at 8 (42 KB, 5 per SM). Swept with the programs per SM (call C, gated):
 # 5 stages at 8 per SM fastest at topk = 16 (0.098 ms; 4 stages 0.103-0.114; 8 stages 0.104-0.121), topk = 8
-# within noise of the best (0.094 vs 0.091).
+# within noise of the best (0.094 vs 0.091). Session 50 (H100, 128K, 5 interleaved rounds): 4 stages, where 8
+# programs fit again (15.5 / 16.9 KiB against 30.7 / 33.6), still slower at topk = 20 and 24 than 5 stages at the 7
+# and 6 an SM holds: 0.1264 vs 0.1244 ms, 0.1314 vs 0.1299.
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # Programs per SM (:func:`_programs_per_sm`). v9 call C (128K, GQA 32/8, 5 stages, gated; k = 8 and 16 summed):
 # at D = 128, 8 (0.094 + 0.098 ms; 5-7 per SM 0.093-0.094 + 0.100-0.105); at D = 64, 10 (0.064 + 0.073; 8 and 12
@@ -84,7 +86,11 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # plan re-timed: 0.102 + 0.107 at D = 128). Head dims 16, 32 and 256 are not measured. What an SM holds of the
 # compiled kernel (sm_90, 5 stages, Triton 3.6 and 3.9; session 50): at D = 128 9 / 8 / 7 / 6 programs at topk =
 # 8 / 16 / 20 / 24, at D = 64 15 / 11 / 9 / 8; so v9's 12 per SM at D = 64 ran 11 at topk = 16 (its 0.085 ms came
-# from the programs past them), and more than 8 at D = 128 was never measured.
+# from the programs past them), and more than 8 at D = 128 was never measured. Probed in session 50 (H100, 128K, 5
+# interleaved rounds, beside the committed plans): 12 wanted at D = 64 (topk = 8 gets 12, topk = 16 11) 0.0703 /
+# 0.0791 against 0.0709 / 0.0797 ms, 0.8% faster; 9 at D = 128 (topk = 8 gets 9) 0.1117 against 0.1120, while its
+# control, topk = 16 at 8 either way, moved 0.2%. 12 at D = 64 is not taken until measured at 8K, 32K and batch 4
+# (benchmarks/results/session50/call_e.sh), where more programs shorten the chunks and change the pool.
 _PROGRAMS_PER_SM_WIDE, _PROGRAMS_PER_SM_NARROW = 8, 10
 # The pool of keys the programs take over from each other (:func:`_sfa_decode_chunk`): the fraction of the tiles
 # left out of the chunks, and the tiles of one unit taken at a time. v10 call D (128K, GQA 32/8, 5 stages, gated,
