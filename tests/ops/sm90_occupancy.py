@@ -19,6 +19,7 @@ import re
 import subprocess
 import tempfile
 import types
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -104,18 +105,17 @@ def main() -> list[dict]:
     def tensor(heads, tokens, head_dim):
         return torch.randn(batch, heads, tokens, head_dim, generator=gen).to(torch.bfloat16)
 
-    steps = []
+    steps = []  # (head dim, step(q))
     for head_dim, topk in SFA_CONFIGS:
         cache = SFAKeyCache(batch, kv_heads, head_dim, topk=topk, dtype=torch.bfloat16)
         cache.append(tensor(kv_heads, length, head_dim), tensor(kv_heads, length, head_dim))
-        steps.append(lambda q, cache=cache: sfa_decode.sfa_decode_triton(q, cache, scale=q.shape[-1] ** -0.5))
+        steps.append((head_dim, partial(sfa_decode.sfa_decode_triton, cache=cache, scale=head_dim ** -0.5)))
     for head_dim in FOCUS_HEAD_DIMS:
         k, v = tensor(kv_heads, length, head_dim), tensor(kv_heads, length, head_dim)
         bits = torch.ones(batch, length, dtype=torch.int64)
-        steps.append(lambda q, k=k, v=v, bits=bits: focus_decode.focus_decode(q, k, v, bits, window=64,
-                                                                              scale=q.shape[-1] ** -0.5))
-    head_dims = [head_dim for head_dim, _ in SFA_CONFIGS] + FOCUS_HEAD_DIMS
-    for step, head_dim in zip(steps, head_dims):
+        steps.append((head_dim, partial(focus_decode.focus_decode, k=k, v=v, bits=bits, window=64,
+                                        scale=head_dim ** -0.5)))
+    for head_dim, step in steps:
         try:
             step(tensor(q_heads, 1, head_dim))
         except _PlanMade:
