@@ -13,9 +13,9 @@ probe() {  # NAME TIMEOUT ARGS...
     grep -o '"variant": "[^"]*", "T": [0-9]*, "topk": [0-9]*, "D": [0-9]*, "rounds": \[[^]]*\], "ms": [0-9.]*, "x_dense": [0-9.]*' \
         $OUT/$name.txt | sed 's/"rounds": \[[^]]*\], //'
 }
-probe batch1 150 --lengths 8K,32K,128K
-probe batch4 150 --lengths 32K,128K --batch 4
-timeout 200 python3 -m sieve_attn.cli bench sfa --lengths '' --head-dims 64 --topk 8,16 \
+probe batch1 120 --lengths 8K,32K
+probe batch4 100 --lengths 128K --batch 4
+timeout 120 python3 -m sieve_attn.cli bench sfa --lengths '' --head-dims 64 --topk 8,16 \
     --decode-lengths 8K,32K,128K --reps 10 --cuda-graphs --skip-nan-checks --out /tmp/bench_d64 > $OUT/bench.txt 2>&1
 echo "bench exit $?" >> $OUT/bench.txt; grep "^| decode\|exit" $OUT/bench.txt
 cp /tmp/bench_d64/bench_sfa.json /tmp/bench_d64/*.png $OUT/ 2>/dev/null
