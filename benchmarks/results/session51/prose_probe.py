@@ -1,22 +1,43 @@
-"""Zero-shot SFA k=16 (PCA maps, importance) on code vs prose: does the gap depend on the text's kind?"""
-import sys, time, glob, torch
+"""Zero-shot SFA k=16 (calibrated principal-axes maps, importance selection) on prose and on code: held-out
+perplexity against dense, each text calibrated on its own kind. Prose: Vim's documentation as Debian ships it
+(even-numbered files in name order calibrate, odd ones are held out); code: the standard library's split.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/results/session51/prose_probe.py [HELD_OUT_WINDOWS]
+"""
+import glob
+import math
+import sys
+
+import torch
+
 import sieve_attn as sa
 from sieve_attn.cli import _windows
 from sieve_attn.data.text import token_windows
 from sieve_attn.eval.perplexity import perplexity
 from sieve_attn.models import load_model
-torch.set_num_threads(2)
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-model, tok = load_model(device="cpu")
-vim = sorted(glob.glob("/usr/share/vim/vim90/doc/*.txt"))
-prose_cal = token_windows(tok, [p for i, p in enumerate(vim) if i % 2 == 0], 1024, 16)
-prose_held = token_windows(tok, [p for i, p in enumerate(vim) if i % 2 == 1], 1024, N)
-code_cal = _windows(tok, None, 0, 1024, 16)
-code_held = _windows(tok, None, 1, 1024, N)
-for name, cal, held in (("prose", prose_cal, prose_held), ("code", code_cal, code_held)):
-    model, _ = load_model(device="cpu")
-    dense = perplexity(model, held, desc="dense")["ppl"]
-    sa.compose(model, sa.SFAConfig(topk=16, feature_map=True, selection="importance"))
-    sa.calibrate_feature_maps(model, cal)
-    sfa = perplexity(model, held, desc="sfa")["ppl"]
-    print(f"{name}: dense {dense:.3f} sfa16 {sfa:.3f} ratio {sfa/dense:.3f} nats {torch.tensor(sfa/dense).log():.3f}", flush=True)
+
+CONTEXT, CALIBRATION_WINDOWS = 1024, 16
+
+
+def main(held_out_windows: int) -> None:
+    torch.set_num_threads(2)
+    _, tokenizer = load_model(device="cpu")
+    vim = sorted(glob.glob("/usr/share/vim/vim90/doc/*.txt"))
+    texts = {
+        "prose": (token_windows(tokenizer, vim[0::2], CONTEXT, CALIBRATION_WINDOWS),
+                  token_windows(tokenizer, vim[1::2], CONTEXT, held_out_windows)),
+        "code": (_windows(tokenizer, None, 0, CONTEXT, CALIBRATION_WINDOWS),
+                 _windows(tokenizer, None, 1, CONTEXT, held_out_windows)),
+    }
+    for name, (calibration, held_out) in texts.items():
+        model, _ = load_model(device="cpu")
+        dense = perplexity(model, held_out, desc="dense")["ppl"]
+        sa.compose(model, sa.SFAConfig(topk=16, feature_map=True, selection="importance"))
+        sa.calibrate_feature_maps(model, calibration)
+        sfa = perplexity(model, held_out, desc="sfa")["ppl"]
+        print(f"{name}: dense {dense:.3f} sfa16 {sfa:.3f} ratio {sfa / dense:.3f} nats {math.log(sfa / dense):.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
