@@ -92,7 +92,8 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 32, 1, 5
 # control, topk = 16 at 8 either way, moved 0.2%. Session 51 (another H100, 5-9 interleaved rounds;
 # benchmarks/results/session51/) at D = 64, 11 and 12 wanted against 10: topk = 16 (11 held) 1-3% faster at 32K
 # and 128K, batch 1 and 4; topk = 8 2.5% slower at 32K with either, at 128K 0.4% faster with 11 and 0.4-0.8% slower
-# with 12 (session 50's machine: 0.8% faster; 2.5% faster at batch 4); within 1% at 8K. Mixed, so 10 stays.
+# with 12 (where session 50's H100 found 12 0.8% faster), 2.5% faster with 12 at batch 4; within 1% at 8K. Mixed,
+# so 10 stays.
 _PROGRAMS_PER_SM_WIDE, _PROGRAMS_PER_SM_NARROW = 8, 10
 # The pool of keys the programs take over from each other (:func:`_sfa_decode_chunk`): the fraction of the tiles
 # left out of the chunks, and the tiles of one unit taken at a time. v10 call D (128K, GQA 32/8, 5 stages, gated,
